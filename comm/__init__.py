@@ -1,0 +1,1 @@
+"""Communication layer (imported as ``scape.comm``)."""

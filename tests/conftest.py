@@ -1,0 +1,27 @@
+"""Shared fixtures: outputs are pre-filled with NaN (or a sentinel for integers) so that an
+element a kernel forgot to write fails the comparison."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))  # tests/dist.py importable from spawned ranks
+
+
+def nan_empty(shape, dtype=torch.float32, device="cpu") -> torch.Tensor:
+    """A tensor whose every element is NaN (floats) or the most negative value (integers)."""
+    t = torch.empty(shape, dtype=dtype, device=device)
+    if dtype.is_floating_point:
+        t.fill_(float("nan"))
+    else:
+        t.fill_(torch.iinfo(dtype).min)
+    return t
+
+
+@pytest.fixture
+def nan_out():
+    return nan_empty
