@@ -6,6 +6,10 @@ from __future__ import annotations
 import os
 import sys
 
+# Triton kernels run on the CPU through the interpreter unless the caller says otherwise (on a
+# GPU machine: TRITON_INTERPRET=0 python -m pytest). Must be set before triton is imported.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import pytest
 import torch
 
