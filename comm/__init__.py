@@ -1,1 +1,59 @@
-"""Communication layer (imported as ``scape.comm``)."""
+"""Communication layer (imported as ``scape.comm``): one ``Communicator`` protocol and two
+backends, ``TorchCommunicator`` (torch.distributed: gloo on CPU, nccl on GPU) and
+``NcclCommunicator`` (NCCL through CuPy, on its own CUDA stream).
+
+cupy is imported only when an ``NcclCommunicator`` is constructed.
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any
+
+from .base import CommError, Communicator, Work
+from .nccl_backend import NcclCommunicator
+from .torch_backend import TorchCommunicator
+
+__all__ = ["Communicator", "Work", "TorchCommunicator", "NcclCommunicator", "CommError",
+           "init_communicator"]
+
+BACKENDS = ("auto", "torch", "nccl")
+
+
+def init_communicator(backend: str = "auto", *, group: Any = None,
+                      timeout: datetime.timedelta | float | None = None) -> Communicator:
+    """Build a communicator on ``group`` (default: the default process group).
+
+    ``"auto"`` picks ``"nccl"`` when CUDA and cupy with NCCL are present, else ``"torch"``.
+    ``"torch"`` is ``TorchCommunicator`` (single-rank when torch.distributed is not initialized);
+    ``"nccl"`` is ``NcclCommunicator`` and raises ``ImportError``/``RuntimeError`` saying what
+    is missing when it cannot run here.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"init_communicator: backend must be one of {BACKENDS}, "
+                         f"got {backend!r}")
+    if backend == "auto":
+        backend = "nccl" if _nccl_usable() else "torch"
+    if backend == "torch":
+        return TorchCommunicator(group, timeout)
+    import torch
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("init_communicator: backend='nccl' needs a CUDA device, and "
+                           "torch.cuda.is_available() is False; use backend='torch'")
+    kwargs: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
+    return NcclCommunicator(group, **kwargs)  # type: ignore[return-value]
+
+
+def _nccl_usable() -> bool:
+    import torch
+
+    if not torch.cuda.is_available():
+        return False
+    try:
+        from .nccl_backend import import_nccl
+
+        import_nccl()
+    except ImportError:
+        return False
+    return True
