@@ -1,1 +1,21 @@
-"""Triton kernels with torch reference implementations (imported as ``scape.kernels``)."""
+"""Triton kernels with torch reference implementations (imported as ``scape.kernels``).
+
+CUDA tensors run the Triton kernels, CPU tensors the torch implementations in
+:mod:`scape.kernels.reference`; ``SCAPE_KERNELS=triton|torch`` forces one.
+"""
+
+from .moments import adams_dense_, adams_sparse_, adamw_dense_
+from .sparse import gather, scatter_, take_
+from .stats import grad_stats
+from .topk import blockwise_topk
+
+__all__ = [
+    "blockwise_topk",
+    "take_",
+    "gather",
+    "scatter_",
+    "adams_dense_",
+    "adams_sparse_",
+    "adamw_dense_",
+    "grad_stats",
+]

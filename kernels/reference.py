@@ -1,0 +1,223 @@
+"""Pure-torch implementations of every op: the CPU path and the ground truth for the Triton
+kernels. Arguments are assumed validated (the public functions in ``scape.kernels`` do it).
+
+Everything is vectorised over blocks and elements. Masks are int16 ``[n_blocks, k]``
+block-local offsets; the flat position of ``idx[b, j]`` is ``b * block_size + idx[b, j]``.
+Working on the ``[n_blocks, block_size]`` view with ``gather``/``scatter_`` along dim 1 uses
+exactly that rule with int64 indices.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+_CHUNK = 1 << 18  # elements per cache-sized slice of the dense element-wise updates
+
+
+def _keep_count(scores: torch.Tensor, eligible: torch.Tensor | None, k: int) -> torch.Tensor:
+    """Boolean mask of the ``k`` largest ``scores`` per row (only ``eligible`` entries may be
+    taken), ties to the lower column. ``scores`` must have no NaN.
+
+    The k-th largest eligible value ``t`` of each row is exact whatever ``torch.topk`` does
+    with ties; every eligible entry above ``t`` is kept, and the lowest-column entries equal
+    to ``t`` fill the rest (a running count over the row).
+    """
+    if eligible is not None:
+        low = torch.finfo(scores.dtype).min if scores.dtype.is_floating_point \
+            else torch.iinfo(scores.dtype).min
+        scores = scores.masked_fill(~eligible, low)
+    t = torch.topk(scores, k, dim=1, largest=True, sorted=False).values.amin(1, keepdim=True)
+    above = scores > t
+    tie = scores == t
+    if eligible is not None:
+        above &= eligible
+        tie &= eligible
+    need = k - above.sum(1, keepdim=True, dtype=torch.int32)
+    if scores.device.type != "cpu" or bool((tie.sum(1, keepdim=True, dtype=torch.int32)
+                                            > need).any()):
+        tie &= tie.cumsum(1, dtype=torch.int32) <= need  # keep the lowest-column ties
+    return above | tie
+
+
+def blockwise_topk(score: torch.Tensor, k: int, block_size: int, *,
+                   age: torch.Tensor | None = None, k_explore: int = 0) -> torch.Tensor:
+    """Per block, the ``k - k_explore`` offsets of largest ``|score|`` and then the
+    ``k_explore`` offsets of largest ``age`` among the rest; int16 ``[n_blocks, k]``, sorted.
+
+    NaN ranks below every number (it becomes -1 before ``|.|`` ranking, below +0.0); -0.0
+    equals 0.0; ties go to the lower offset. Sorting comes free: ``nonzero`` of the selection
+    mask lists positions in row-major, hence ascending, order.
+    """
+    n_blocks = score.numel() // block_size
+    x = score.view(n_blocks, block_size)
+    if x.dtype != torch.float32:
+        x = x.float()  # exact for bf16/fp16
+    mag = x.abs()
+    mag.masked_fill_(mag.isnan(), -1.0)
+    k_top = k - k_explore
+    chosen: torch.Tensor | None = _keep_count(mag, None, k_top) if k_top > 0 else None
+    if k_explore > 0:
+        assert age is not None  # validated by the public function
+        a = age.view(n_blocks, block_size)
+        explore = _keep_count(a, None if chosen is None else ~chosen, k_explore)
+        chosen = explore if chosen is None else chosen | explore
+    assert chosen is not None
+    cols = chosen.nonzero()[:, 1]
+    return cols.to(torch.int16).view(n_blocks, k)
+
+
+def _rows(idx: torch.Tensor) -> torch.Tensor:
+    return idx.long()
+
+
+def take_(src: torch.Tensor, idx: torch.Tensor, block_size: int, *,
+          out: torch.Tensor | None = None, out_dtype: torch.dtype | None = None
+          ) -> torch.Tensor:
+    """``values = src[flat]`` cast, then ``src[flat] = 0``."""
+    n_blocks = src.numel() // block_size
+    i = _rows(idx)
+    view = src.view(n_blocks, block_size)
+    vals = view.gather(1, i).view(-1)
+    view.scatter_(1, i, 0.0)
+    return _emit(vals, out, out_dtype)
+
+
+def gather(src: torch.Tensor, idx: torch.Tensor, block_size: int, *,
+           residual: torch.Tensor | None = None, out: torch.Tensor | None = None,
+           out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``src[flat] (+ residual[flat])`` summed in fp32, cast; inputs untouched."""
+    n_blocks = src.numel() // block_size
+    i = _rows(idx)
+    vals = src.view(n_blocks, block_size).gather(1, i).view(-1)
+    if residual is not None:
+        vals = vals.float() + residual.view(n_blocks, block_size).gather(1, i).view(-1).float()
+    return _emit(vals, out, out_dtype if out_dtype is not None or out is not None
+                 else src.dtype)
+
+
+def _emit(vals: torch.Tensor, out: torch.Tensor | None,
+          out_dtype: torch.dtype | None) -> torch.Tensor:
+    if out is not None:
+        out.copy_(vals)
+        return out
+    return vals.to(out_dtype) if out_dtype is not None else vals
+
+
+def scatter_(dst: torch.Tensor, idx: torch.Tensor, block_size: int,
+             values: torch.Tensor) -> None:
+    """``dst[flat] = values`` cast to ``dst.dtype``; nothing else is written."""
+    n_blocks = dst.numel() // block_size
+    dst.view(n_blocks, block_size).scatter_(
+        1, _rows(idx), values.view(idx.shape).to(dst.dtype))
+
+
+def adams_dense_(p: torch.Tensor, m: torch.Tensor, g: torch.Tensor, *, lr: float,
+                 beta1: float, beta2: float, eps: float, weight_decay: float,
+                 model_out: torch.Tensor | None = None) -> None:
+    """AdamS on every coordinate, in place on fp32 ``p`` and ``m``::
+
+        v = b2*m^2 + (1-b2)*g^2          (old m)
+        m = b1*m + (1-b1)*g
+        p = p*(1 - lr*wd) - lr*m/(sqrt(v) + eps)
+
+    Processed in cache-sized slices so the two temporaries never leave the cache: main
+    memory sees one read of p, m, g and one write of p, m (and of ``model_out``).
+    """
+    n = p.numel()
+    decay = 1.0 - lr * weight_decay
+    for s in range(0, n, _CHUNK):
+        e = min(s + _CHUNK, n)
+        ps, ms = p[s:e], m[s:e]
+        gs = g[s:e] if g.dtype == torch.float32 else g[s:e].float()
+        d = torch.mul(ms, ms)
+        d.mul_(beta2).addcmul_(gs, gs, value=1.0 - beta2).sqrt_().add_(eps)
+        ms.mul_(beta1).add_(gs, alpha=1.0 - beta1)
+        if decay != 1.0:
+            ps.mul_(decay)
+        ps.addcdiv_(ms, d, value=-lr)
+        if model_out is not None:
+            model_out[s:e].copy_(ps)
+
+
+def adams_sparse_(p: torch.Tensor, m: torch.Tensor, age: torch.Tensor, g: torch.Tensor,
+                  idx: torch.Tensor, block_size: int, *, lr: float, beta1: float,
+                  beta2: float, eps: float, weight_decay: float,
+                  model_out: torch.Tensor | None = None) -> None:
+    """AdamS at the masked coordinates only, lazy weight decay, ages advanced.
+
+    At a masked coordinate with age ``a``: ``v = b2*m^2 + (1-b2)*g^2`` (old m),
+    ``m = b1*m + (1-b1)*g``, ``p = p*(1-lr*wd)^(a+1) - lr*m/(sqrt(v)+eps)``, ``age = 0``.
+    Everywhere else ``p`` and ``m`` are untouched and ``age += 1``. ``model_out`` (compact)
+    receives the new ``p`` at the masked coordinates, cast to its dtype.
+    """
+    n_blocks = p.numel() // block_size
+    i = _rows(idx)
+    pv = p.view(n_blocks, block_size)
+    mv = m.view(n_blocks, block_size)
+    av = age.view(n_blocks, block_size)
+    p_sel = pv.gather(1, i)
+    m_sel = mv.gather(1, i)
+    g_sel = g.view(i.shape).float()
+    denom = (m_sel * m_sel).mul_(beta2).addcmul_(g_sel, g_sel, value=1.0 - beta2)
+    denom.sqrt_().add_(eps)
+    m_sel.mul_(beta1).add_(g_sel, alpha=1.0 - beta1)
+    if weight_decay != 0.0:
+        # (1-lr*wd)^(a+1) = exp((a+1) * log1p(-lr*wd)): log1p in float64 on the host keeps
+        # the decay exact to fp32 rounding for any age (pow of a rounded base would not).
+        log_decay = math.log1p(-lr * weight_decay)
+        p_sel.mul_(av.gather(1, i).float().add_(1.0).mul_(log_decay).exp_())
+    p_sel.addcdiv_(m_sel, denom, value=-lr)
+    pv.scatter_(1, i, p_sel)
+    mv.scatter_(1, i, m_sel)
+    age.add_(1)
+    av.scatter_(1, i, 0)
+    if model_out is not None:
+        model_out.copy_(p_sel.view(-1))
+
+
+def adamw_dense_(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, g: torch.Tensor, *,
+                 lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
+                 step: int, model_out: torch.Tensor | None = None) -> None:
+    """``torch.optim.AdamW`` (single-tensor path) on fp32 ``p``, ``m``, ``v``::
+
+        p *= 1 - lr*wd;  m = lerp(m, g, 1-b1);  v = b2*v + (1-b2)*g^2
+        p -= lr/(1-b1^t) * m / (sqrt(v)/sqrt(1-b2^t) + eps)
+
+    The same torch operations in the same order as torch's own implementation, so the
+    result is bitwise that of ``torch.optim.AdamW(foreach=False)``. Sliced like
+    :func:`adams_dense_` so the ``denom`` temporary stays in cache.
+    """
+    n = p.numel()
+    bias1 = 1.0 - beta1 ** step
+    bias2_sqrt = (1.0 - beta2 ** step) ** 0.5
+    step_size = lr / bias1
+    for s in range(0, n, _CHUNK):
+        e = min(s + _CHUNK, n)
+        ps, ms, vs = p[s:e], m[s:e], v[s:e]
+        gs = g[s:e] if g.dtype == torch.float32 else g[s:e].float()
+        ps.mul_(1.0 - lr * weight_decay)
+        ms.lerp_(gs, 1.0 - beta1)
+        vs.mul_(beta2).addcmul_(gs, gs, value=1.0 - beta2)
+        d = vs.sqrt().div_(bias2_sqrt).add_(eps)
+        ps.addcdiv_(ms, d, value=-step_size)
+        if model_out is not None:
+            model_out[s:e].copy_(ps)
+
+
+def grad_stats(x: torch.Tensor) -> torch.Tensor:
+    """fp32 ``[sum of squares of all entries, number of non-finite entries]``.
+
+    The sum runs over every entry, so it is inf/NaN when a non-finite entry exists (callers
+    decide to skip on the count, not on the sum). It is accumulated in fp32. The count is
+    exact up to 2^24 (stored as fp32). On CPU the count pass runs only when the sum is not
+    finite (a non-finite entry, or an overflow, is the only way to get there).
+    """
+    xf = x if x.dtype == torch.float32 else x.float()
+    sumsq = torch.dot(xf, xf)
+    if x.device.type == "cpu" and math.isfinite(float(sumsq)):
+        count = torch.zeros((), dtype=torch.float32)
+    else:
+        count = (~torch.isfinite(x)).sum(dtype=torch.float32)
+    return torch.stack([sumsq.float(), count])

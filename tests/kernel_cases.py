@@ -1,0 +1,77 @@
+"""Independent references for the kernel tests: brute force in Python (selection) and float64
+formulas written straight from DESIGN §1 (arithmetic). They share no code with
+``scape.kernels.reference``, so a mistake there cannot hide behind the same mistake here."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+# Per-dtype tolerances for arithmetic against the float64 reference: (rtol, atol).
+TOL = {
+    torch.float32: (2e-6, 1e-6),
+    torch.bfloat16: (1.6e-2, 1e-5),
+    torch.float16: (2e-3, 1e-6),
+}
+
+
+def brute_topk(score: torch.Tensor, k: int, block_size: int, age: torch.Tensor | None = None,
+               k_explore: int = 0) -> torch.Tensor:
+    """Per block: sort offsets by (|score| descending with NaN lowest, offset ascending) and
+    take ``k - k_explore``; then sort the rest by (age descending, offset) and take
+    ``k_explore``; return the union sorted. Plain Python, for small inputs."""
+    s = score.double().tolist()
+    a = age.tolist() if age is not None else None
+    n_blocks = len(s) // block_size
+    rows = []
+    for b in range(n_blocks):
+        base = b * block_size
+
+        mag = [-1.0 if math.isnan(v) else abs(v) for v in s[base:base + block_size]]
+        order = sorted(range(block_size), key=lambda j: (-mag[j], j))
+        top = order[: k - k_explore]
+        if k_explore:
+            assert a is not None
+            taken = set(top)
+            rest = sorted((j for j in range(block_size) if j not in taken),
+                          key=lambda j: (-a[base + j], j))
+            top = top + rest[:k_explore]
+        rows.append(sorted(top))
+    return torch.tensor(rows, dtype=torch.int16).view(n_blocks, k)
+
+
+def flat_positions(idx: torch.Tensor, block_size: int) -> torch.Tensor:
+    """int64 flat positions ``b * block_size + idx[b, j]``, block-major."""
+    rows = torch.arange(idx.shape[0], dtype=torch.int64)[:, None] * block_size
+    return (rows + idx.long()).view(-1)
+
+
+def adams_f64(p, m, g, lr, b1, b2, eps, wd, age=None):
+    """AdamS in float64 (DESIGN §1), lazy decay over ``age + 1`` steps when age is given."""
+    p, m, g = p.double(), m.double(), g.double()
+    v = b2 * m * m + (1 - b2) * g * g
+    m_new = b1 * m + (1 - b1) * g
+    steps = 1.0 if age is None else age.double() + 1.0
+    p_new = p * (1 - lr * wd) ** steps - lr * m_new / (v.sqrt() + eps)
+    return p_new, m_new
+
+
+def adamw_f64(p, m, v, g, lr, b1, b2, eps, wd, step):
+    """AdamW (torch.optim.AdamW's documented algorithm) in float64."""
+    p, m, v, g = p.double(), m.double(), v.double(), g.double()
+    p = p * (1 - lr * wd)
+    m = b1 * m + (1 - b1) * g
+    v = b2 * v + (1 - b2) * g * g
+    m_hat = m / (1 - b1 ** step)
+    v_hat = v / (1 - b2 ** step)
+    return p - lr * m_hat / (v_hat.sqrt() + eps), m, v
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype,
+                 what: str) -> None:
+    """``actual`` within the tolerance of ``dtype`` of the float64 ``expected``; no NaN."""
+    rtol, atol = TOL[dtype]
+    assert not torch.isnan(actual).any(), f"{what}: NaN in output (element not written?)"
+    torch.testing.assert_close(actual.double(), expected.double(), rtol=rtol, atol=atol,
+                               msg=lambda m: f"{what} ({dtype}): {m}")
