@@ -1,0 +1,80 @@
+"""bench/netns.py: rate parsing, and (where root, ip and tc exist) a shaped loopback that
+delivers the set rate and disappears afterwards."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from bench import netns
+
+
+@pytest.mark.parametrize("text, bits", [
+    pytest.param("100mbit", 100_000_000, id="100mbit"),
+    pytest.param("1gbit", 1_000_000_000, id="1gbit"),
+    pytest.param("50mbit", 50_000_000, id="50mbit"),
+    pytest.param("2.5Gbit", 2_500_000_000, id="fraction-upper"),
+    pytest.param("12.5mbps", 100_000_000, id="bytes-per-s"),
+    pytest.param(" 800kbit ", 800_000, id="spaces"),
+    pytest.param(10**6, 10**6, id="number"),
+])
+def test_parse_rate(text, bits):
+    assert netns.parse_rate(text) == bits
+
+
+@pytest.mark.parametrize("bad, exc, match", [
+    pytest.param("fast", ValueError, "rate must look like", id="word"),
+    pytest.param("100mb", ValueError, "rate unit", id="unit"),
+    pytest.param("1bit", ValueError, "at least", id="tiny"),
+    pytest.param(True, TypeError, "rate", id="bool"),
+    pytest.param(None, TypeError, "rate", id="none"),
+])
+def test_parse_rate_rejects(bad, exc, match):
+    with pytest.raises(exc, match=match):
+        netns.parse_rate(bad)
+
+
+def test_format_rate_roundtrip():
+    for text in ("50mbit", "1gbit", "800kbit"):
+        assert netns.parse_rate(netns.format_rate(netns.parse_rate(text))) == \
+            netns.parse_rate(text)
+
+
+def test_shaped_command_type_check():
+    with pytest.raises(TypeError, match="cmd"):
+        with netns.shaped_command("echo hi", "50mbit"):  # type: ignore[arg-type]
+            pass
+
+
+_OK, _REASON = netns.available()
+needs_netns = pytest.mark.skipif(not _OK, reason=f"shaped namespaces unavailable: {_REASON}")
+
+
+@needs_netns
+@pytest.mark.timeout(60)
+def test_shaped_rate_delivered_and_namespace_removed():
+    rate = netns.parse_rate("50mbit")
+    with netns.shaped_namespace("50mbit") as ns:
+        assert ns.name in netns.namespaces()
+        qdisc = subprocess.run([*ns.prefix, "tc", "qdisc", "show", "dev", "lo"],
+                               capture_output=True, text=True, check=True).stdout
+        assert "tbf" in qdisc and "50Mbit" in qdisc
+        got = netns.measure_tcp_rate(ns.prefix, 6_250_000)  # ~1 s at 50 Mbit/s
+    assert ns.name not in netns.namespaces()
+    assert 0.75 * rate <= got <= 1.25 * rate, f"delivered {got / 1e6:.1f} Mbit/s"
+
+
+@needs_netns
+@pytest.mark.timeout(60)
+def test_namespace_removed_on_exception_and_leftovers_stopped():
+    with pytest.raises(KeyboardInterrupt):
+        with netns.shaped_command([sys.executable, "-c", "import time; time.sleep(60)"],
+                                  "100mbit") as argv:
+            name = argv[3]
+            proc = subprocess.Popen(argv)
+            assert name in netns.namespaces()
+            raise KeyboardInterrupt
+    assert proc.wait(timeout=10) is not None  # the leftover sleeper was terminated
+    assert name not in netns.namespaces()
