@@ -1,3 +1,14 @@
-"""SCAPE: sparse, communication-efficient sharded AdamS for data-parallel pre-training."""
+"""SCAPE: sparse, communication-efficient sharded AdamS for data-parallel pre-training.
 
+``scape.SCAPE`` is the optimizer; ``scape.DistributedAdamW`` is the dense sharded AdamW
+baseline on the same buffers. Kernels live in ``scape.kernels``, communication in
+``scape.comm``.
+"""
+
+from scape.adamw import DistributedAdamW
+from scape.optimizer import SCAPE
+from scape.rules import RULES
+from scape.step_info import StepInfo
+
+__all__ = ["SCAPE", "DistributedAdamW", "RULES", "StepInfo"]
 __version__ = "0.1.0"

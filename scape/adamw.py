@@ -1,0 +1,88 @@
+"""``scape.DistributedAdamW``: dense sharded AdamW on the same buffers as SCAPE.
+
+The baseline users know: every step reduce-scatters (avg) the whole fp32 gradient buffer,
+runs ``torch.optim.AdamW``'s exact update (bias-corrected, decoupled decay) on the owned
+shard, and all-gathers the updated shard into every model. Bytes per rank and step:
+``N_pad * (b_g + b_p)`` plus the 8-byte scalar all-reduce (norm and non-finite count).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from scape.buffers import DENSE_ALIGN, Bucket
+from scape.checkpoint import load_sharded_state, sharded_state
+from scape.comm import Communicator
+from scape.kernels import adamw_dense_
+from scape.rules import ShardState
+from scape.sharded import ShardedOptimizer
+
+
+class DistributedAdamW(ShardedOptimizer):
+    """Dense ZeRO-1 AdamW: ``torch.optim.AdamW`` semantics, sharded optimizer state.
+
+    Args:
+        params: parameters or param groups (per-group ``lr``, ``betas``, ``eps``,
+            ``weight_decay``).
+        lr, betas, eps, weight_decay: as ``torch.optim.AdamW``.
+        max_grad_norm: clip the synchronized gradient to this norm (None: no clipping).
+        grad_comm_dtype: dtype of gradients on the wire.
+        comm: a :class:`scape.comm.Communicator` (default: ``TorchCommunicator()``).
+
+    A step whose gradient has a non-finite entry on any rank is skipped on every rank and
+    does not advance the bias-correction step count.
+    """
+
+    _name = "DistributedAdamW"
+
+    def __init__(self, params: Any, *, lr: float, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0.0,
+                 max_grad_norm: float | None = None,
+                 grad_comm_dtype: torch.dtype = torch.float32,
+                 comm: Communicator | None = None) -> None:
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        super().__init__(params, defaults, comm=comm, block_size=4096,
+                         max_grad_norm=max_grad_norm, grad_comm_dtype=grad_comm_dtype,
+                         global_fields={})
+        self._adam_step = 0
+
+    def _bucket_align(self, group: dict) -> int:
+        return DENSE_ALIGN
+
+    def _init_shard(self, bucket: Bucket) -> ShardState:
+        master = bucket.param_flat[bucket.shard].to(torch.float32).clone()
+        return ShardState(master=master, m=torch.zeros_like(master),
+                          age=torch.zeros(bucket.shard_size, dtype=torch.int32,
+                                          device=bucket.device),
+                          extra={"v": torch.zeros_like(master)})
+
+    def _is_dense(self, i: int) -> bool:
+        return True
+
+    def _apply(self, gs: list[torch.Tensor], dense_flags: list[bool]) -> None:
+        self._adam_step += 1
+        super()._apply(gs, dense_flags)
+
+    def _dense_update(self, i: int, g: torch.Tensor, hp: dict, model_out: torch.Tensor) -> None:
+        s = self.shards[i]
+        adamw_dense_(s.master, s.m, s.extra["v"], g, lr=hp["lr"], beta1=hp["beta1"],
+                     beta2=hp["beta2"], eps=hp["eps"], weight_decay=hp["weight_decay"],
+                     step=self._adam_step, model_out=model_out)
+
+    def _counters(self) -> dict[str, int]:
+        return {"adam_step": self._adam_step}
+
+    def _load_counters(self, counters: dict[str, int]) -> None:
+        self._adam_step = int(counters["adam_step"])
+
+    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+        """This rank's shard: master weights, both moments, residual-free buffer, step."""
+        self.finish_param_sync()
+        return sharded_state(self, [{} for _ in self.buckets])
+
+    def load_state_dict(self, state_dict: Any) -> None:  # type: ignore[override]
+        """Load this rank's ``state_dict()``, or a list of every old rank's (any world size)."""
+        self.finish_param_sync()
+        load_sharded_state(self, state_dict)

@@ -1,0 +1,109 @@
+"""Flat parameter and gradient buffers, and the shard each rank owns.
+
+One :class:`Bucket` per (param group, dtype). Its parameters become views into one flat
+buffer of the model dtype (``param_flat``), so the parameter all-gather writes straight into
+the model. Gradients land in one flat fp32 buffer (``grad_flat``) that also holds the
+error-feedback residual:
+
+- fp32 params: ``p.grad`` *is* a view into ``grad_flat``; backward accumulates into it.
+- bf16/fp16 params: a post-accumulate-grad hook adds ``p.grad`` into ``grad_flat`` (in fp32)
+  and frees it (Megatron's main-grad pattern).
+
+Layout (W ranks, block size B)::
+
+    | p0 | p1 | ... | p_last | padding |      length N_pad, a multiple of W * B
+    |<- rank 0 shard ->|<- rank 1 shard ->| ...   each S = N_pad / W, block-aligned
+
+Padding coordinates have zero gradient forever, so they never move.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+DENSE_ALIGN = 128
+"""Shard alignment (elements) of buckets that are always dense (no block structure)."""
+
+
+class Bucket:
+    """The flat buffers of one param group and dtype, and this rank's shard of them."""
+
+    def __init__(self, params: Sequence[torch.nn.Parameter], group: int, world: int, rank: int,
+                 align: int) -> None:
+        if not params:
+            raise ValueError("a bucket needs at least one parameter")
+        self.params = list(params)
+        self.group = group
+        self.dtype = params[0].dtype
+        self.device = params[0].device
+        self.numels = [p.numel() for p in params]
+        self.offsets = [0]
+        for n in self.numels:
+            self.offsets.append(self.offsets[-1] + n)
+        self.numel = self.offsets[-1]
+        unit = world * align
+        self.n_pad = -(-self.numel // unit) * unit
+        self.shard_size = self.n_pad // world
+        self.shard_start = rank * self.shard_size
+        self.world, self.rank = world, rank
+
+        self.param_flat = torch.zeros(self.n_pad, dtype=self.dtype, device=self.device)
+        self.grad_flat = torch.zeros(self.n_pad, dtype=torch.float32, device=self.device)
+        self._views: list[torch.Tensor] = []
+        self._hooks = []
+        for p, o, n in zip(self.params, self.offsets, self.numels):
+            view = self.param_flat[o:o + n].view_as(p)
+            view.copy_(p.detach())
+            p.data = view
+            g_view = self.grad_flat[o:o + n].view_as(p)
+            if p.grad is not None:  # a gradient computed before the optimizer existed
+                g_view.add_(p.grad.detach().to(torch.float32))
+                p.grad = None
+            if self.dtype == torch.float32:
+                p.grad = g_view
+            else:
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._make_hook(g_view)))
+            self._views.append(g_view)
+
+    @staticmethod
+    def _make_hook(g_view: torch.Tensor):
+        def hook(p: torch.Tensor) -> None:
+            if p.grad is not None:
+                g_view.add_(p.grad.view_as(g_view))
+                p.grad = None
+        return hook
+
+    @property
+    def shard(self) -> slice:
+        return slice(self.shard_start, self.shard_start + self.shard_size)
+
+    def fold_stray_grads(self) -> None:
+        """Restore ``p.grad`` views replaced or cleared by the user, folding new gradients in.
+
+        ``model.zero_grad(set_to_none=True)`` followed by backward leaves fresh ``p.grad``
+        tensors: their values are added into the buffer (nothing is lost) and the view is put
+        back. A Python loop over parameters, but it only compares pointers unless something
+        was replaced.
+        """
+        fp32 = self.dtype == torch.float32
+        for p, g_view in zip(self.params, self._views):
+            g = p.grad
+            if g is None:
+                if fp32:
+                    p.grad = g_view
+                continue
+            if fp32 and g.data_ptr() == g_view.data_ptr() and g.shape == g_view.shape:
+                continue
+            if g.is_sparse:
+                raise TypeError("SCAPE does not support sparse gradients (got a sparse grad "
+                                f"for a parameter of shape {tuple(p.shape)}); use dense "
+                                "embeddings (sparse=False)")
+            g_view.add_(g.detach().to(torch.float32).view_as(g_view))
+            p.grad = g_view if fp32 else None
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()

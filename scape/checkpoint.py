@@ -1,0 +1,138 @@
+"""State of the sharded optimizers: save a rank's shard, load it back, or reshard.
+
+``state_dict()`` holds what this rank owns: per bucket the fp32 master weights, first moment
+(and second moment for AdamW), ages, this rank's residual (its whole fp32 gradient buffer),
+the masks, and the step. Resume is bit-exact on the same world size.
+
+Loading onto another world size takes the list of *every* old rank's state dict. Sharded
+tensors are concatenated, stripped of padding and cut again for the new layout. Residuals
+are not sharded (each rank keeps its own over the whole buffer); every new rank gets the mean
+of the old residuals. Masks are kept per block; the new layout only adds or drops padding
+blocks, whose selections are arbitrary (offsets ``0..k-1``).
+
+After loading, the model parameters are rebuilt from the master weights with one
+all-gather, so every rank's model matches the optimizer state exactly.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+FORMAT = "scape.sharded/1"
+_SHARD_TENSORS = ("master", "m", "age")
+
+
+def sharded_state(opt: Any, extra_per_bucket: list[dict[str, Any]]) -> dict[str, Any]:
+    buckets = []
+    for b, s, extra in zip(opt.buckets, opt.shards, extra_per_bucket):
+        entry = {"group": b.group, "dtype": str(b.dtype), "numel": b.numel, "n_pad": b.n_pad,
+                 "shard_start": b.shard_start, "shard_size": b.shard_size,
+                 "residual": b.grad_flat.detach().clone(),
+                 "extra": {k: v.detach().clone() for k, v in s.extra.items()}}
+        for name in _SHARD_TENSORS:
+            entry[name] = getattr(s, name).detach().clone()
+        entry.update(extra)
+        buckets.append(entry)
+    return {"format": FORMAT, "optimizer": opt._name, "world_size": opt.comm.world_size,
+            "rank": opt.comm.rank, "step": opt._step, "block_size": opt.block_size,
+            "counters": dict(opt._counters()),
+            "param_groups": [{k: v for k, v in g.items() if k != "params"}
+                             for g in opt.param_groups],
+            "buckets": buckets}
+
+
+def _check_structure(opt: Any, sd: dict[str, Any]) -> None:
+    if not isinstance(sd, dict) or sd.get("format") != FORMAT:
+        raise ValueError(f"not a {FORMAT} state dict (got format "
+                         f"{sd.get('format') if isinstance(sd, dict) else type(sd).__name__!r})")
+    if sd["optimizer"] != opt._name:
+        raise ValueError(f"state dict is from {sd['optimizer']}, not {opt._name}")
+    if len(sd["param_groups"]) != len(opt.param_groups):
+        raise ValueError(f"state dict has {len(sd['param_groups'])} param groups, the "
+                         f"optimizer has {len(opt.param_groups)}")
+    if len(sd["buckets"]) != len(opt.buckets):
+        raise ValueError(f"state dict has {len(sd['buckets'])} buckets (param group x dtype), "
+                         f"the optimizer has {len(opt.buckets)}")
+    for i, (e, b) in enumerate(zip(sd["buckets"], opt.buckets)):
+        if (e["group"], e["dtype"], e["numel"]) != (b.group, str(b.dtype), b.numel):
+            raise ValueError(
+                f"bucket {i} differs: state dict has group {e['group']}, {e['dtype']}, "
+                f"{e['numel']} elements; optimizer has group {b.group}, {b.dtype}, "
+                f"{b.numel} elements (param groups or parameters changed)")
+    if sd["block_size"] != opt.block_size:
+        raise ValueError(f"state dict block_size {sd['block_size']} != {opt.block_size}")
+
+
+def _repad(full: torch.Tensor, numel: int, n_pad: int) -> torch.Tensor:
+    out = torch.zeros(n_pad, dtype=full.dtype)
+    out[:numel] = full[:numel]
+    return out
+
+
+def _reshard(old_shards: list[torch.Tensor], b: Any) -> torch.Tensor:
+    """This rank's shard of bucket ``b`` cut from every old rank's shard (padding removed)."""
+    full = torch.cat([t.cpu() for t in old_shards])
+    return _repad(full, b.numel, b.n_pad)[b.shard].to(b.device)
+
+
+def load_sharded_state(opt: Any, state: Any) -> list[dict[str, Any]]:
+    """Load ``state`` into ``opt``; return the per-bucket extras (masks) for the subclass."""
+    world, rank = opt.comm.world_size, opt.comm.rank
+    if isinstance(state, dict):
+        _check_structure(opt, state)
+        if state["world_size"] != world or state["rank"] != rank:
+            raise ValueError(
+                f"state dict is rank {state['rank']} of {state['world_size']}; this is rank "
+                f"{rank} of {world}. To load onto another world size pass the list of every "
+                "old rank's state dict")
+        states = [state]
+    elif isinstance(state, (list, tuple)) and state:
+        for sd in state:
+            _check_structure(opt, sd)
+        states = sorted(state, key=lambda sd: sd["rank"])
+        old_world = states[0]["world_size"]
+        if [sd["rank"] for sd in states] != list(range(old_world)) or any(
+                sd["world_size"] != old_world or sd["step"] != states[0]["step"]
+                for sd in states):
+            raise ValueError("the list must hold one state dict per old rank (0..W-1), all "
+                             "from the same step and world size")
+        if old_world == world:  # same layout: this rank's own state, bit-exact
+            states = [states[rank]]
+    else:
+        raise TypeError("load_state_dict expects a state dict or a list of every rank's "
+                        f"state dicts, got {type(state).__name__}")
+
+    extras = []
+    for i, (b, s) in enumerate(zip(opt.buckets, opt.shards)):
+        entries = [sd["buckets"][i] for sd in states]
+        dev = b.device
+        if len(states) == 1 and states[0]["world_size"] == world:
+            e = entries[0]
+            for name in _SHARD_TENSORS:
+                getattr(s, name).copy_(e[name])
+            for k, v in e["extra"].items():
+                s.extra[k].copy_(v)
+            b.grad_flat.copy_(e["residual"])
+        else:
+            for name in _SHARD_TENSORS:
+                getattr(s, name).copy_(_reshard([e[name] for e in entries], b))
+            for k in s.extra:
+                s.extra[k].copy_(_reshard([e["extra"][k] for e in entries], b))
+            residual = torch.stack([e["residual"].cpu()[:b.numel] for e in entries]).mean(0)
+            b.grad_flat.copy_(_repad(residual, b.numel, b.n_pad).to(dev))
+        extras.append({k: v for k, v in entries[0].items()
+                       if k.startswith("mask") and v is not None})
+        extras[-1] = {k: v.to(dev) for k, v in extras[-1].items()}
+
+    opt._step = states[0]["step"]
+    opt._load_counters(states[0]["counters"])
+    for g, saved in zip(opt.param_groups, states[0]["param_groups"]):
+        for k, v in saved.items():
+            g[k] = v
+    # the model parameters are rebuilt from the master weights (one all-gather per bucket)
+    for b, s in zip(opt.buckets, opt.shards):
+        local = s.master.to(b.dtype)
+        opt.comm.all_gather(b.param_flat, local).wait()
+    return extras

@@ -1,0 +1,282 @@
+"""``scape.SCAPE``: sharded AdamS with first-moment masks synchronized one step late.
+
+One sparse step t for one bucket (DESIGN §1; the mask ``M_t`` is already on every rank)::
+
+    take        c = buf[M_t]; buf[M_t] = 0           (buf: gradient + residual, fp32)
+    reduce-scatter (avg) c                           -> owner gets g (k_s values)
+    one scalar all-reduce [|g|^2, non-finite count]  -> clip or skip, on every rank
+    update      rule(shard, g, M_t[own rows])        -> new values at M_t (model dtype)
+    all-gather  the new values (async)               -> scatter into every model
+    mask        M_{t+1} = per-block top-|m| (+ oldest by age) of the own shard
+    all-gather  M_{t+1} (int16, async)               -> waited at step t+1's take
+
+Bytes per rank and sparse step: ``K * (b_g + b_p + 2)`` plus the 8-byte scalar all-reduce,
+with ``K = W * (S / B) * k_b``, ``k_b = max(1, round(density * B))``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from scape import config
+from scape.buffers import DENSE_ALIGN, Bucket
+from scape.checkpoint import load_sharded_state, sharded_state
+from scape.comm import Communicator
+from scape.kernels import adams_dense_, blockwise_topk, scatter_, take_
+from scape.profiling import phase
+from scape.rules import RULES, ShardState
+from scape.sharded import ShardedOptimizer, _Pending
+
+
+def round_half_up(x: float) -> int:
+    """``round`` with halves going up (Python's ``round`` goes to even)."""
+    return int(math.floor(x + 0.5))
+
+
+def block_budget(sparsity: float, block_size: int, explore: float) -> tuple[int, int]:
+    """``(k_b, k_x)``: coordinates per block, and how many of them are chosen by age."""
+    k = max(1, round_half_up((1.0 - sparsity) * block_size))
+    return k, round_half_up(explore * k)
+
+
+class _MaskState:
+    """Masks of one sparse bucket: the one used last and the next one (maybe in flight)."""
+
+    def __init__(self, k: int, k_explore: int, n_blocks: int, n_local: int) -> None:
+        self.k, self.k_explore = k, k_explore
+        self.n_blocks, self.n_local = n_blocks, n_local
+        self.current: torch.Tensor | None = None  # mask of the last sparse step [n_blocks, k]
+        self.next: torch.Tensor | None = None  # mask for the next sparse step [n_blocks, k]
+        self.work: Any = None  # the all-gather filling `next`, if still in flight
+        self.local: torch.Tensor | None = None  # this rank's rows of `next`
+
+    def wait(self) -> torch.Tensor | None:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+        return self.next
+
+
+class SCAPE(ShardedOptimizer):
+    """Sharded AdamS whose gradient and parameter traffic is sparsified by first-moment masks.
+
+    Args:
+        params: parameters or param groups (groups may set ``lr``, ``betas``, ``eps``,
+            ``weight_decay`` and ``sparsity``; a group with ``sparsity=0`` is always dense).
+        lr: learning rate (any torch LR scheduler may change it per group).
+        betas: ``(beta1, beta2)`` of AdamS.
+        eps: added to the AdamS denominator.
+        weight_decay: decoupled weight decay (lazy on sparse steps, see :func:`rules.lazy`).
+        sparsity: fraction of coordinates *not* synchronized per step, in [0, 1).
+        block_size: coordinates per selection block (power of two in [256, 32768]).
+        warmup_steps: dense steps before going sparse (they build the first moment).
+        dense_every: every n-th step is dense and flushes all residuals (0: never).
+        explore: fraction of each block's budget chosen by age instead of ``|m|``.
+        error_feedback: keep what was not sent in the gradient buffer for later steps.
+        update: the sparse-step rule, a key of :data:`scape.rules.RULES`.
+        max_grad_norm: clip the synchronized gradient to this norm (None: no clipping).
+        grad_comm_dtype: dtype of gradients on the wire (float32, bfloat16, float16).
+        comm: a :class:`scape.comm.Communicator`; default: a ``TorchCommunicator`` on the
+            default process group (single-rank when torch.distributed is not initialized).
+    """
+
+    _name = "SCAPE"
+
+    def __init__(self, params: Any, *, lr: float, betas: tuple[float, float] = (0.9, 0.95),
+                 eps: float = 1e-8, weight_decay: float = 0.0, sparsity: float = 0.99,
+                 block_size: int = 4096, warmup_steps: int = 20, dense_every: int = 0,
+                 explore: float = 0.1, error_feedback: bool = True, update: str = "lazy",
+                 max_grad_norm: float | None = None,
+                 grad_comm_dtype: torch.dtype = torch.float32,
+                 comm: Communicator | None = None) -> None:
+        self.warmup_steps = warmup_steps
+        self.dense_every = dense_every
+        self.explore = explore
+        self.error_feedback = error_feedback
+        self.update = update
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                        sparsity=sparsity)
+        fields = dict(warmup_steps=warmup_steps, dense_every=dense_every, explore=explore,
+                      error_feedback=error_feedback, update=update)
+        super().__init__(params, defaults, comm=comm, block_size=block_size,
+                         max_grad_norm=max_grad_norm, grad_comm_dtype=grad_comm_dtype,
+                         global_fields=fields)
+        self.rule = RULES[update]
+        self.masks: list[_MaskState | None] = []
+        self.diagnostics: list[dict[str, torch.Tensor]] = []
+        for b in self.buckets:
+            sp = self.param_groups[b.group]["sparsity"]
+            if sp > 0:
+                k, kx = block_budget(sp, block_size, explore)
+                n_local = b.shard_size // block_size
+                self.masks.append(_MaskState(k, kx, n_local * b.world, n_local))
+            else:
+                self.masks.append(None)
+            self.diagnostics.append({})
+        self._take_bufs: list[torch.Tensor | None] = [None] * len(self.buckets)
+
+    def _validate_args(self, defaults: dict, block_size: int, max_grad_norm: Any,
+                       grad_comm_dtype: Any, global_fields: dict) -> None:
+        super()._validate_args(defaults, block_size, max_grad_norm, grad_comm_dtype,
+                               global_fields)
+        config.check_sparsity(defaults["sparsity"])
+        config.check_int("dense_every", global_fields["dense_every"], 0)
+        config.check_fraction("explore", global_fields["explore"])
+        if not isinstance(global_fields["error_feedback"], bool):
+            raise TypeError("Invalid error_feedback: expected a bool, got "
+                            f"{type(global_fields['error_feedback']).__name__}")
+        if global_fields["update"] not in RULES:
+            raise ValueError(f"Invalid update rule: {global_fields['update']!r} (expected one "
+                             f"of {sorted(RULES)})")
+        warm = global_fields["warmup_steps"]
+        config.check_int("warmup_steps", warm, 0)
+
+    def _validate_group(self, group: dict, index: int) -> None:
+        super()._validate_group(group, index)
+        config.check_sparsity(group["sparsity"])
+        if group["sparsity"] > 0 and self.warmup_steps < 1:
+            raise ValueError(f"Invalid warmup_steps: {self.warmup_steps} (expected >= 1 when "
+                             "sparsity > 0: dense warm-up steps build the first moment that "
+                             "the first mask is taken from)")
+
+    # ------------------------------------------------------------------ shard state
+    def _bucket_align(self, group: dict) -> int:
+        return self.block_size if group["sparsity"] > 0 else DENSE_ALIGN
+
+    def _init_shard(self, bucket: Bucket) -> ShardState:
+        master = bucket.param_flat[bucket.shard].to(torch.float32).clone()
+        return ShardState(master=master, m=torch.zeros_like(master),
+                          age=torch.zeros(bucket.shard_size, dtype=torch.int32,
+                                          device=bucket.device))
+
+    def _schedule_dense(self, t: int) -> bool:
+        return t <= self.warmup_steps or (self.dense_every > 0 and t % self.dense_every == 0)
+
+    def _is_dense(self, i: int) -> bool:
+        mask = self.masks[i]
+        return mask is None or self._schedule_dense(self._step) or mask.next is None
+
+    def _step_mask(self, i: int, dense: bool) -> torch.Tensor | None:
+        mask = self.masks[i]
+        return None if dense or mask is None else mask.next
+
+    def _sync_size(self, i: int, dense: bool) -> int:
+        mask = self.masks[i]
+        if dense or mask is None:
+            return self.buckets[i].n_pad
+        return mask.n_blocks * mask.k
+
+    # ------------------------------------------------------------------ dense path
+    def _dense_update(self, i: int, g: torch.Tensor, hp: dict, model_out: torch.Tensor) -> None:
+        s = self.shards[i]
+        adams_dense_(s.master, s.m, g, lr=hp["lr"], beta1=hp["beta1"], beta2=hp["beta2"],
+                     eps=hp["eps"], weight_decay=hp["weight_decay"], model_out=model_out)
+        s.age.zero_()
+
+    # ------------------------------------------------------------------ sparse path
+    def _sparse_launch(self, i: int) -> tuple[torch.Tensor, Any]:
+        b, mask_state = self.buckets[i], self.masks[i]
+        assert mask_state is not None  # _is_dense routes mask-less buckets to the dense path
+        with phase("scape/mask_sync", b.device):
+            mask = mask_state.wait()
+        assert mask is not None
+        with phase("scape/take", b.device):
+            c = take_(b.grad_flat, mask, self.block_size, out_dtype=self.grad_comm_dtype)
+            diag = self.diagnostics[i]
+            if self.error_feedback:
+                taken = c.float().square().sum()
+                diag["residual_norm"] = (self._pre_sumsq[i] - taken).clamp(min=0).sqrt()
+            else:
+                b.grad_flat.zero_()
+                diag["residual_norm"] = torch.zeros((), device=b.device)
+        self._take_bufs[i] = c
+        g = torch.empty(mask_state.n_local * mask_state.k, dtype=self.grad_comm_dtype,
+                        device=b.device)
+        with phase("scape/reduce_scatter", b.device):
+            work = self.comm.reduce_scatter(g, c, op="avg")
+        return g, work
+
+    def _sparse_update(self, i: int, g: torch.Tensor, hp: dict) -> _Pending:
+        b, mask_state = self.buckets[i], self.masks[i]
+        assert mask_state is not None and mask_state.next is not None
+        mask = mask_state.next
+        rows = mask[b.rank * mask_state.n_local:(b.rank + 1) * mask_state.n_local]
+        values = torch.empty(rows.numel(), dtype=b.dtype, device=b.device)
+        with phase("scape/update", b.device):
+            self.rule(self.shards[i], g, rows, self.block_size, hp, values)
+        gathered = torch.empty(mask.numel(), dtype=b.dtype, device=b.device)
+        with phase("scape/all_gather", b.device):
+            work = self.comm.all_gather(gathered, values)
+        self._take_bufs[i] = None
+        mask_state.current = mask
+
+        def finish() -> None:
+            scatter_(b.param_flat, mask, self.block_size, gathered)
+
+        return _Pending(b, work, finish, (values, gathered, mask))
+
+    def _after_update(self, dense_flags: list[bool]) -> None:
+        """Make and launch the next masks (only when the next step is sparse)."""
+        if self._schedule_dense(self._step + 1):
+            for m in self.masks:
+                if m is not None:
+                    m.next, m.local, m.work = None, None, None
+            return
+        for i, (b, mask_state) in enumerate(zip(self.buckets, self.masks)):
+            if mask_state is None:
+                continue
+            s = self.shards[i]
+            with phase("scape/mask", b.device):
+                idx = blockwise_topk(s.m, mask_state.k, self.block_size,
+                                     age=s.age if mask_state.k_explore else None,
+                                     k_explore=mask_state.k_explore)
+                age_blocks = s.age.view(mask_state.n_local, self.block_size)
+                diag = self.diagnostics[i]
+                diag["mask_overlap"] = (age_blocks.gather(1, idx.long()) == 0).float().mean()
+                diag["updated_last_100"] = (s.age < 100).float().mean()
+            full = torch.empty(mask_state.n_blocks, mask_state.k, dtype=torch.int16,
+                               device=b.device)
+            with phase("scape/mask_sync", b.device):
+                mask_state.work = self.comm.all_gather(full.view(-1), idx.view(-1))
+            mask_state.next, mask_state.local = full, idx
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+        """This rank's shard: master weights, ``m``, ages, residual, masks, step, groups."""
+        self.finish_param_sync()
+        for m in self.masks:
+            if m is not None:
+                m.wait()
+        return sharded_state(self, extra_per_bucket=[
+            {"mask_next": None if m is None or m.next is None else m.next.clone(),
+             "mask_current": None if m is None or m.current is None else m.current.clone()}
+            for m in self.masks])
+
+    def load_state_dict(self, state_dict: Any) -> None:  # type: ignore[override]
+        """Load this rank's ``state_dict()``, or a list of every old rank's (any world size)."""
+        self.finish_param_sync()
+        extras = load_sharded_state(self, state_dict)
+        for m, extra in zip(self.masks, extras):
+            if m is None:
+                continue
+            m.work = None
+            m.next = _fit_mask(extra.get("mask_next"), m)
+            m.current = _fit_mask(extra.get("mask_current"), m)
+            m.local = None if m.next is None else \
+                m.next[self.comm.rank * m.n_local:(self.comm.rank + 1) * m.n_local]
+
+
+def _fit_mask(mask: torch.Tensor | None, m: _MaskState) -> torch.Tensor | None:
+    """A saved mask on this world size's block count: extra padding blocks select 0..k-1."""
+    if mask is None:
+        return None
+    if mask.shape[1] != m.k:
+        raise ValueError(f"checkpoint mask has {mask.shape[1]} coordinates per block; this "
+                         f"optimizer selects {m.k} (sparsity or block_size changed)")
+    if mask.shape[0] >= m.n_blocks:
+        return mask[: m.n_blocks].contiguous()
+    pad = torch.arange(m.k, dtype=torch.int16).expand(m.n_blocks - mask.shape[0], m.k)
+    return torch.cat([mask, pad.to(mask.device)]).contiguous()

@@ -1,0 +1,291 @@
+"""The machinery shared by the sharded optimizers: buckets, agreement, the step skeleton.
+
+A subclass decides, per bucket and step, whether the step is dense or sparse and supplies the
+per-shard update. Every step runs the same phases on every rank, in the same order, so the
+collectives match across ranks::
+
+    fold stray grads -> local stats -> take / reduce-scatter (all buckets, async)
+      -> wait -> ONE scalar all-reduce [sum of squares of the synchronized gradient,
+                                        count of non-finite entries in the local buffers]
+      -> skip (every rank) | clip, update shard, all-gather params (async), next mask (async)
+
+The parameter all-gather is waited inside ``step()`` unless :meth:`attach` was called, in
+which case a forward pre-hook waits for it (and scatters) right before the next forward.
+The skip decision reads the all-reduced count on the host: one 8-byte read per step, the
+same synchronisation Megatron's ``found_inf`` check makes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from scape import config
+from scape.agreement import agree, digest, tensor_digest
+from scape.buffers import Bucket
+from scape.comm import Communicator, TorchCommunicator
+from scape.kernels import grad_stats
+from scape.profiling import phase
+from scape.step_info import StepInfo
+
+_GRAD_COMM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class _Pending:
+    """A parameter all-gather in flight and what to do when it completes."""
+
+    def __init__(self, bucket: Bucket, work: Any, finish: Callable[[], None] | None,
+                 keep: tuple[torch.Tensor, ...] = ()) -> None:
+        self.bucket, self.work, self.finish = bucket, work, finish
+        self.keep = keep  # buffers the collective reads or writes: alive until it completes
+
+
+class ShardedOptimizer(torch.optim.Optimizer):
+    """Base of :class:`scape.SCAPE` and :class:`scape.DistributedAdamW` (not used directly)."""
+
+    _name = "sharded optimizer"
+
+    def __init__(self, params: Any, defaults: dict[str, Any], *, comm: Communicator | None,
+                 block_size: int, max_grad_norm: float | None,
+                 grad_comm_dtype: torch.dtype, global_fields: dict[str, Any]) -> None:
+        error: Exception | None = None
+        groups_trainable: list[list[torch.Tensor]] = []
+        try:
+            self._validate_args(defaults, block_size, max_grad_norm, grad_comm_dtype,
+                                global_fields)
+            super().__init__(params, defaults)
+            for i, g in enumerate(self.param_groups):
+                self._validate_group(g, i)
+                groups_trainable.append(config.check_params(g["params"]))
+            if not any(groups_trainable):
+                raise ValueError("optimizer got no trainable parameter (all have "
+                                 "requires_grad=False)")
+        except (ValueError, TypeError) as e:
+            error = e
+        self.comm: Communicator = comm if comm is not None else TorchCommunicator()
+        self.block_size = block_size
+        self.max_grad_norm = max_grad_norm
+        self.grad_comm_dtype = grad_comm_dtype
+        fields = self._fingerprint(groups_trainable, global_fields, error is None)
+        agree(self.comm, fields, error, what=self._name)
+
+        world, rank = self.comm.world_size, self.comm.rank
+        self.buckets: list[Bucket] = []
+        for gi, trainable in enumerate(groups_trainable):
+            by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+            for p in trainable:
+                by_dtype.setdefault(p.dtype, []).append(p)
+            for ps in by_dtype.values():
+                align = self._bucket_align(self.param_groups[gi])
+                self.buckets.append(Bucket(ps, gi, world, rank, align))  # type: ignore[arg-type]
+        self.shards = [self._init_shard(b) for b in self.buckets]
+        self._step = 0
+        self._pending: list[_Pending] = []
+        self._attached = False
+        self.last_step = StepInfo()
+        self.last_sync: list[dict[str, torch.Tensor | None]] = [{} for _ in self.buckets]
+        """Per bucket, what the last applied step synchronized for this rank's shard: ``g``
+        (the averaged fp32 gradient it received, before clipping) and ``mask`` (the mask of
+        a sparse step, ``None`` for a dense one). For diagnostics and tests."""
+
+    # ----------------------------------------------------------------- subclass interface
+    def _validate_args(self, defaults: dict, block_size: int, max_grad_norm: Any,
+                       grad_comm_dtype: Any, global_fields: dict) -> None:
+        config.check_block_size(block_size)
+        config.check_max_grad_norm(max_grad_norm)
+        if grad_comm_dtype not in _GRAD_COMM_DTYPES:
+            raise ValueError(f"Invalid grad_comm_dtype: {grad_comm_dtype!r} (expected one of "
+                             "torch.float32, torch.bfloat16, torch.float16)")
+
+    def _validate_group(self, group: dict, index: int) -> None:
+        config.check_lr(group["lr"])
+        config.check_betas(group["betas"])
+        config.check_eps(group["eps"])
+        config.check_weight_decay(group["weight_decay"])
+
+    def _bucket_align(self, group: dict) -> int:
+        raise NotImplementedError
+
+    def _init_shard(self, bucket: Bucket) -> Any:
+        raise NotImplementedError
+
+    def _is_dense(self, bucket_index: int) -> bool:
+        raise NotImplementedError
+
+    def _dense_update(self, i: int, g: torch.Tensor, hp: dict, model_out: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def _sparse_launch(self, i: int) -> tuple[torch.Tensor, Any]:
+        raise NotImplementedError
+
+    def _sparse_update(self, i: int, g: torch.Tensor, hp: dict) -> _Pending:
+        raise NotImplementedError
+
+    def _after_update(self, dense_flags: list[bool]) -> None:
+        """Called after every applied (not skipped) step, e.g. to launch the next mask."""
+
+    def _step_mask(self, i: int, dense: bool) -> torch.Tensor | None:
+        """The mask bucket ``i`` synchronized this step (None when dense)."""
+        return None
+
+    def _counters(self) -> dict[str, int]:
+        """Scalar state beyond the step count, saved in checkpoints."""
+        return {}
+
+    def _load_counters(self, counters: dict[str, int]) -> None:
+        """Restore what :meth:`_counters` saved."""
+
+    # ------------------------------------------------------------------- fingerprint
+    def _fingerprint(self, groups: list[list[torch.Tensor]], global_fields: dict,
+                     valid: bool) -> dict[str, int]:
+        names = ["lr", "betas", "eps", "weight_decay", "sparsity"]
+        fields: dict[str, int] = {}
+        for n in names:
+            fields[n] = digest([g.get(n) for g in self.param_groups]) if valid else 0
+        for k, v in global_fields.items():
+            fields[k] = digest(v)
+        fields["block_size"] = digest(self.block_size)
+        fields["max_grad_norm"] = digest(self.max_grad_norm)
+        fields["grad_comm_dtype"] = digest(str(self.grad_comm_dtype))
+        flat = [p for g in groups for p in g]
+        fields["param_count"] = digest([len(g) for g in groups]) if valid else 0
+        fields["param_shapes"] = digest([tuple(p.shape) for p in flat]) if valid else 0
+        fields["param_dtypes"] = digest([str(p.dtype) for p in flat]) if valid else 0
+        fields["param_values"] = tensor_digest(flat) if valid else 0
+        return fields
+
+    # ------------------------------------------------------------------- public API
+    @property
+    def step_count(self) -> int:
+        return self._step
+
+    def attach(self, model: torch.nn.Module) -> torch.utils.hooks.RemovableHandle:
+        """Wait for the parameter all-gather just before ``model``'s next forward.
+
+        Without it, ``step()`` waits before returning. With it, the all-gather overlaps
+        with whatever runs between ``step()`` and the next forward (data loading, logging).
+        """
+        self._attached = True
+
+        def pre_hook(module: torch.nn.Module, args: Any) -> None:
+            self.finish_param_sync()
+
+        return model.register_forward_pre_hook(pre_hook)
+
+    def finish_param_sync(self) -> None:
+        """Wait for in-flight parameter all-gathers and write them into the model."""
+        if not self._pending:
+            return
+        device = self._pending[0].bucket.device
+        with phase("scape/all_gather", device):
+            for pend in self._pending:
+                pend.work.wait()
+                if pend.finish is not None:
+                    pend.finish()
+        self._pending.clear()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Keeps the gradient buffers: ``step()`` already consumed what it sent.
+
+        The buffers hold the error-feedback residual (what was not sent yet); clearing them
+        would lose it. ``set_to_none`` is accepted for compatibility and ignored.
+        """
+
+    def add_param_group(self, param_group: dict) -> None:
+        if hasattr(self, "buckets"):
+            raise RuntimeError(f"{self._name}: param groups are fixed at construction (the "
+                               "flat buffers and shards are built once); build a new optimizer")
+        super().add_param_group(param_group)
+
+    def _hp(self, bucket: Bucket) -> dict:
+        g = self.param_groups[bucket.group]
+        lr = g["lr"]
+        return {"lr": float(lr), "beta1": g["betas"][0], "beta2": g["betas"][1],
+                "eps": g["eps"], "weight_decay": g["weight_decay"]}
+
+    # ------------------------------------------------------------------- the step
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.finish_param_sync()
+        self._step += 1
+        set_step = getattr(self.comm, "set_step", None)
+        if set_step is not None:
+            set_step(self._step)
+        before = {k: int(v["bytes"]) for k, v in self.comm.stats.items()}
+        for b in self.buckets:
+            b.fold_stray_grads()
+        dense_flags = [self._is_dense(i) for i in range(len(self.buckets))]
+        device = self.buckets[0].device
+
+        # 1. local statistics of the whole buffers (this step's gradient + residual)
+        local = torch.zeros(2, dtype=torch.float32, device=device)
+        self._pre_sumsq = []
+        for b in self.buckets:
+            s = grad_stats(b.grad_flat)
+            self._pre_sumsq.append(s[0])
+            local[1] += s[1]
+        # 2. take + reduce-scatter, every bucket in flight together
+        received: list[tuple[torch.Tensor, Any]] = []
+        for i, b in enumerate(self.buckets):
+            if dense_flags[i]:
+                with phase("scape/reduce_scatter", device):
+                    inp = b.grad_flat if self.grad_comm_dtype == torch.float32 \
+                        else b.grad_flat.to(self.grad_comm_dtype)
+                    g = torch.empty(b.shard_size, dtype=self.grad_comm_dtype, device=device)
+                    received.append((g, self.comm.reduce_scatter(g, inp, op="avg")))
+            else:
+                received.append(self._sparse_launch(i))
+        gs = []
+        with phase("scape/reduce_scatter", device):
+            for i, (g, work) in enumerate(received):
+                work.wait()
+                g = g.float() if g.dtype != torch.float32 else g
+                gs.append(g)
+                local[0] += grad_stats(g)[0]
+                self.last_sync[i] = {"g": g.clone() if self.max_grad_norm else g,
+                                     "mask": self._step_mask(i, dense_flags[i])}
+        # 3. one scalar all-reduce: norm of the synchronized gradient + non-finite count
+        self.comm.all_reduce(local, op="sum").wait()
+        grad_norm = local[0].sqrt()
+        skipped = bool(local[1] > 0)
+        for b, dense in zip(self.buckets, dense_flags):
+            if dense or skipped:
+                b.grad_flat.zero_()
+        if not skipped:
+            if self.max_grad_norm is not None:
+                coef = (self.max_grad_norm / (grad_norm + 1e-6)).clamp(max=1.0)
+                for g in gs:
+                    g.mul_(coef)
+            self._apply(gs, dense_flags)
+            self._after_update(dense_flags)
+        if not self._attached:
+            self.finish_param_sync()
+        after = self.comm.stats
+        self.last_step = StepInfo(
+            step=self._step, dense=all(dense_flags), skipped=skipped, grad_norm=grad_norm,
+            bytes={k: int(v["bytes"]) - before.get(k, 0) for k, v in after.items()
+                   if int(v["bytes"]) - before.get(k, 0)},
+            mask_size=sum(self._sync_size(i, d) for i, d in enumerate(dense_flags)))
+        return loss
+
+    def _sync_size(self, i: int, dense: bool) -> int:
+        return self.buckets[i].n_pad
+
+    def _apply(self, gs: list[torch.Tensor], dense_flags: list[bool]) -> None:
+        for i, (b, g, dense) in enumerate(zip(self.buckets, gs, dense_flags)):
+            hp = self._hp(b)
+            if dense:
+                model_out = torch.empty(b.shard_size, dtype=b.dtype, device=b.device)
+                with phase("scape/update", b.device):
+                    self._dense_update(i, g, hp, model_out)
+                with phase("scape/all_gather", b.device):
+                    work = self.comm.all_gather(b.param_flat, model_out)
+                self._pending.append(_Pending(b, work, None, (model_out,)))
+            else:
+                self._pending.append(self._sparse_update(i, g, hp))

@@ -1,0 +1,234 @@
+"""scape.SCAPE and scape.DistributedAdamW on real gloo processes (W = 1..4).
+
+Dense mode must equal a float64 single-process AdamS/AdamW on the averaged gradient; SCAPE
+mode must keep every rank's parameters identical, change only mask coordinates, put exactly
+the DESIGN formula's bytes on the wire, conserve gradient mass (residual + delivered), and use
+at step t+1 the mask computed at step t.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from dist import run_ranks
+
+import scape
+from scape.optimizer import block_budget
+
+SHAPES = [(37, 19), (300,), (5, 7, 11)]  # sizes that need padding
+
+
+def _params(seed: int, dtype=torch.float32, shapes=SHAPES) -> list[torch.nn.Parameter]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(s, generator=g).to(dtype)) for s in shapes]
+
+
+def _grads(step: int, rank: int, shapes=SHAPES) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + rank + 7)
+    return [torch.randn(s, generator=g) * (1 + rank) for s in shapes]
+
+
+def _backward(params, grads) -> None:
+    """A loss whose gradient is exactly ``grads`` (so the test controls the gradient)."""
+    loss = sum((p.float() * g).sum() for p, g in zip(params, grads))
+    loss.backward()
+
+
+def _adams_ref(p, m, g, lr, b1, b2, eps, wd):
+    v = b2 * m * m + (1 - b2) * g * g
+    m = b1 * m + (1 - b1) * g
+    p = p - lr * (m / (v.sqrt() + eps) + wd * p)
+    return p, m
+
+
+def _rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((a.double() - ref).abs().max() / ref.abs().max())
+
+
+# ----------------------------------------------------------------------------- dense
+def _dense_body(rank, world, steps):
+    torch.manual_seed(0)
+    params = _params(1)
+    # two param groups with their own hyperparameters
+    groups = [{"params": params[:2], "lr": 1e-2, "weight_decay": 0.1},
+              {"params": params[2:], "lr": 3e-3, "betas": (0.8, 0.9)}]
+    opt = scape.SCAPE(groups, lr=1e-2, sparsity=0.0, eps=1e-8)
+    ref_p = [p.detach().double().clone() for p in params]
+    ref_m = [torch.zeros_like(p) for p in ref_p]
+    hps = [(1e-2, 0.9, 0.95, 0.1)] * 2 + [(3e-3, 0.8, 0.9, 0.0)]
+
+    params_w = _params(2)
+    opt_w = scape.DistributedAdamW([{"params": params_w[:1], "weight_decay": 0.05},
+                                    {"params": params_w[1:]}], lr=2e-3)
+    ref_w = [p.detach().clone() for p in params_w]
+    for p in ref_w:
+        p.requires_grad_(True)
+    torch_w = torch.optim.AdamW([{"params": ref_w[:1], "weight_decay": 0.05},
+                                 {"params": ref_w[1:]}], lr=2e-3, weight_decay=0.0)
+    torch_w.param_groups[1]["weight_decay"] = 0.0
+    for t in range(1, steps + 1):
+        grads = _grads(t, rank)
+        _backward(params, grads)
+        opt.step()
+        opt.zero_grad()
+        _backward(params_w, grads)
+        opt_w.step()
+        avg = [sum(_grads(t, r)[i] for r in range(max(world, 1))) / max(world, 1)
+               for i in range(len(SHAPES))]
+        for i, (lr, b1, b2, wd) in enumerate(hps):
+            ref_p[i], ref_m[i] = _adams_ref(ref_p[i], ref_m[i], avg[i].double(), lr, b1, b2,
+                                            1e-8, wd)
+        for p, g in zip(ref_w, avg):
+            p.grad = g.clone()
+        torch_w.step()
+        assert opt.last_step.dense and not opt.last_step.skipped
+    err_s = max(_rel_err(p.detach(), r) for p, r in zip(params, ref_p))
+    err_w = max(_rel_err(p.detach(), r.detach().double()) for p, r in zip(params_w, ref_w))
+    return err_s, err_w
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_dense_equals_single_process_reference(world):
+    if world == 1:  # no process group at all: the single-rank communicator
+        results = [_dense_body(0, 0, 20)]
+    else:
+        results = run_ranks(_dense_body, world, 20, timeout=180)
+    for err_s, err_w in results:
+        assert err_s <= 1e-5, f"dense sharded AdamS vs float64 reference: {err_s:.3g}"
+        assert err_w <= 1e-5, f"DistributedAdamW vs torch.optim.AdamW: {err_w:.3g}"
+
+
+# ----------------------------------------------------------------------------- sparse
+CONFIGS = {
+    "base": dict(sparsity=0.9, warmup_steps=2, explore=0.1),
+    "dense_every": dict(sparsity=0.9, warmup_steps=1, dense_every=4),
+    "explore0": dict(sparsity=0.99, warmup_steps=2, explore=0.0),
+    "explore1": dict(sparsity=0.9, warmup_steps=2, explore=1.0),
+    "no_ef": dict(sparsity=0.9, warmup_steps=2, error_feedback=False),
+    "bf16": dict(sparsity=0.9, warmup_steps=2, dtype=torch.bfloat16),
+    "set_to_none": dict(sparsity=0.9, warmup_steps=2, set_to_none=True),
+}
+
+
+def _gather_cat(t: torch.Tensor, world: int) -> torch.Tensor:
+    out = [torch.empty_like(t) for _ in range(world)]
+    dist.all_gather(out, t)
+    return torch.cat(out)
+
+
+def _flat_index(mask: torch.Tensor, block: int) -> torch.Tensor:
+    rows = torch.arange(mask.shape[0], dtype=torch.int64)[:, None] * block
+    return (rows + mask.long()).view(-1)
+
+
+def _sparse_body(rank, world, names, steps):
+    block = 256
+    report = {}
+    for name in names:
+        cfg = dict(CONFIGS[name])
+        dtype = cfg.pop("dtype", torch.float32)
+        set_to_none = cfg.pop("set_to_none", False)
+        params = _params(3, dtype)
+        opt = scape.SCAPE(params, lr=1e-2, block_size=block, **cfg)
+        b = opt.buckets[0]
+        k, _ = block_budget(cfg["sparsity"], block, cfg.get("explore", 0.1))
+        K = (b.n_pad // block) * k
+        delivered = torch.zeros(b.shard_size, dtype=torch.float64)
+        grad_sum = torch.zeros(b.n_pad, dtype=torch.float64)
+        made_mask = None
+        for t in range(1, steps + 1):
+            before = b.param_flat.clone()
+            grads = _grads(t, rank)
+            if set_to_none:  # model.zero_grad(set_to_none=True): backward makes new tensors
+                for p in params:
+                    p.grad = None
+            _backward(params, grads)
+            for i, g in enumerate(grads):
+                o = b.offsets[i]
+                grad_sum[o:o + g.numel()] += g.reshape(-1).to(dtype).double()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            info = opt.last_step
+            # all ranks hold bitwise-identical parameters
+            allp = _gather_cat(b.param_flat.view(torch.uint8), world).view(world, -1)
+            assert bool((allp == allp[0]).all()), f"{name} step {t}: ranks differ"
+            sync = opt.last_sync[0]
+            changed = (b.param_flat != before).nonzero().view(-1)
+            if info.dense:
+                assert sync["mask"] is None
+                g_full = torch.zeros(b.shard_size, dtype=torch.float64)
+                g_full += sync["g"].double()
+                delivered += g_full
+                assert info.mask_size == b.n_pad
+            else:
+                mask = sync["mask"]
+                assert mask.shape == (b.n_pad // block, k) and mask.numel() == K
+                assert info.mask_size == K
+                # the mask used at step t is the one computed at the end of step t-1
+                assert made_mask is not None and torch.equal(mask, made_mask), name
+                flat = _flat_index(mask, block)
+                assert bool(torch.isin(changed, flat).all()), f"{name}: change outside mask"
+                bp = b.param_flat.element_size()
+                expect = {"reduce_scatter": K * 4, "all_gather": K * (bp + 2),
+                          "all_reduce": 8}
+                if opt.masks[0].next is None:  # next step dense: no mask sync issued
+                    expect["all_gather"] = K * bp
+                assert info.bytes == expect, (name, t, info.bytes, expect)
+                own = mask[rank * (b.shard_size // block):(rank + 1) * (b.shard_size // block)]
+                local_flat = _flat_index(own, block)
+                delivered.index_add_(0, local_flat, sync["g"].double())
+            pending = opt.masks[0].wait()  # in flight until the next step's take otherwise
+            made_mask = None if pending is None else pending.clone()
+        # conservation: sum of residuals + W * delivered == sum of all gradients
+        residual = b.grad_flat.double().clone()
+        dist.all_reduce(residual)
+        total = grad_sum.clone()
+        dist.all_reduce(total)
+        all_delivered = _gather_cat(delivered, world)
+        if cfg.get("error_feedback", True):
+            err = float((residual + world * all_delivered - total).abs().max())
+            scale = float(total.abs().max())
+            assert err <= 1e-5 * scale * steps, f"{name}: conservation error {err:.3g}"
+        else:
+            assert float(b.grad_flat.abs().max()) == 0.0
+        report[name] = (opt.step_count, float(opt.diagnostics[0].get("mask_overlap", -1)))
+    return report
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_scape_step_invariants(world):
+    names = list(CONFIGS) if world != 3 else ["base", "bf16", "explore1"]
+    results = run_ranks(_sparse_body, world, names, 9, timeout=300)
+    assert all(set(r) == set(names) for r in results)
+
+
+# ----------------------------------------------------------------------------- training
+def _train_body(rank, world, sparsity):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(),
+                                torch.nn.Linear(64, 8))
+    opt = scape.SCAPE(model.parameters(), lr=3e-2, sparsity=sparsity, block_size=256,
+                      warmup_steps=3)
+    gen = torch.Generator().manual_seed(123)
+    w_true = torch.randn(32, 8, generator=gen)
+    losses = []
+    for t in range(120):
+        g = torch.Generator().manual_seed(10_000 * rank + t)
+        x = torch.randn(64, 32, generator=g)
+        y = x @ w_true
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("sparsity", [0.9, 0.99])
+def test_loss_falls(world, sparsity):
+    results = run_ranks(_train_body, world, sparsity, timeout=180)
+    for losses in results:
+        first, last = sum(losses[:10]) / 10, sum(losses[-10:]) / 10
+        assert last < 0.75 * first, f"loss did not fall: {first:.3f} -> {last:.3f}"
