@@ -1,8 +1,25 @@
-"""Fused optimizer updates: AdamS dense and sparse (lazy decay), AdamW (DESIGN §1 step 3)."""
+"""Fused optimizer updates: AdamS dense and sparse (lazy decay), AdamW (DESIGN §1 step 3).
+
+Triton kernels, all arithmetic in fp32, bytes per coordinate (``g`` of element size ``s``,
+``model_out`` of element size ``o``, 0 when absent):
+
+- ``adams_dense_``: reads p, m, g; writes p, m (and model_out): ``16 + s + o`` bytes over
+  the N coordinates, one program per ``TILE`` contiguous coordinates.
+- ``adamw_dense_``: reads p, m, v, g; writes p, m, v (and model_out): ``24 + s + o``.
+- ``adams_sparse_``: at the K masked coordinates reads idx, g, p, m, age and writes p, m,
+  age and model_out (``2 + s + 12 + 12 + o`` bytes each, random access), then a streaming
+  pass over the whole shard ``age += 1`` (8 bytes per coordinate). The masked kernel writes
+  ``age = -1`` so that the streaming pass leaves it at 0; two launches in stream order, no
+  intra-kernel race between them.
+"""
 
 from __future__ import annotations
 
+import math
+
 import torch
+import triton
+import triton.language as tl
 
 from . import reference
 from ._checks import (
@@ -20,6 +37,120 @@ from ._checks import (
 )
 
 _F32 = (torch.float32,)
+
+
+@triton.jit
+def _adams_dense_kernel(p_p, p_m, p_g, p_out, n, lr, beta1, beta2, eps, decay,
+                        TILE: tl.constexpr, HAS_OUT: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * TILE + tl.arange(0, TILE)
+    m_n = offs < n
+    b_p = tl.load(p_p + offs, mask=m_n, other=0.0)
+    b_m = tl.load(p_m + offs, mask=m_n, other=0.0)
+    b_g = tl.load(p_g + offs, mask=m_n, other=0.0).to(tl.float32)
+    denom = tl.sqrt(beta2 * b_m * b_m + (1.0 - beta2) * b_g * b_g) + eps
+    b_m = beta1 * b_m + (1.0 - beta1) * b_g
+    b_p = b_p * decay - lr * (b_m / denom)
+    tl.store(p_p + offs, b_p, mask=m_n)
+    tl.store(p_m + offs, b_m, mask=m_n)
+    if HAS_OUT:
+        tl.store(p_out + offs, b_p.to(p_out.dtype.element_ty), mask=m_n)
+
+
+@triton.jit
+def _adamw_dense_kernel(p_p, p_m, p_v, p_g, p_out, n, beta1, beta2, eps, decay, step_size,
+                        bias2_sqrt, TILE: tl.constexpr, HAS_OUT: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * TILE + tl.arange(0, TILE)
+    m_n = offs < n
+    b_p = tl.load(p_p + offs, mask=m_n, other=0.0)
+    b_m = tl.load(p_m + offs, mask=m_n, other=0.0)
+    b_v = tl.load(p_v + offs, mask=m_n, other=0.0)
+    b_g = tl.load(p_g + offs, mask=m_n, other=0.0).to(tl.float32)
+    b_p = b_p * decay
+    b_m = b_m + (1.0 - beta1) * (b_g - b_m)  # torch.lerp's formula for weight < 0.5
+    b_v = b_v * beta2 + (1.0 - beta2) * b_g * b_g
+    denom = tl.sqrt(b_v) / bias2_sqrt + eps
+    b_p = b_p - step_size * (b_m / denom)
+    tl.store(p_p + offs, b_p, mask=m_n)
+    tl.store(p_m + offs, b_m, mask=m_n)
+    tl.store(p_v + offs, b_v, mask=m_n)
+    if HAS_OUT:
+        tl.store(p_out + offs, b_p.to(p_out.dtype.element_ty), mask=m_n)
+
+
+@triton.jit
+def _adams_sparse_kernel(p_p, p_m, p_age, p_g, p_idx, p_out, k, lr, beta1, beta2, eps,
+                         log_decay, BLOCK_SIZE: tl.constexpr, K_TILE: tl.constexpr,
+                         HAS_DECAY: tl.constexpr, HAS_OUT: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1).to(tl.int64) * K_TILE + tl.arange(0, K_TILE)
+    m_j = j < k
+    compact = b * k + j
+    flat = b * BLOCK_SIZE + tl.load(p_idx + compact, mask=m_j, other=0).to(tl.int64)
+    b_g = tl.load(p_g + compact, mask=m_j, other=0.0).to(tl.float32)
+    b_p = tl.load(p_p + flat, mask=m_j, other=0.0)
+    b_m = tl.load(p_m + flat, mask=m_j, other=0.0)
+    denom = tl.sqrt(beta2 * b_m * b_m + (1.0 - beta2) * b_g * b_g) + eps
+    b_m = beta1 * b_m + (1.0 - beta1) * b_g
+    if HAS_DECAY:
+        # lazy decay (1 - lr*wd)^(age+1) = exp((age+1) * log1p(-lr*wd))
+        b_age = tl.load(p_age + flat, mask=m_j, other=0)
+        b_p = b_p * tl.exp((b_age.to(tl.float32) + 1.0) * log_decay)
+    b_p = b_p - lr * (b_m / denom)
+    tl.store(p_p + flat, b_p, mask=m_j)
+    tl.store(p_m + flat, b_m, mask=m_j)
+    tl.store(p_age + flat, tl.full((K_TILE,), -1, tl.int32), mask=m_j)
+    if HAS_OUT:
+        tl.store(p_out + compact, b_p.to(p_out.dtype.element_ty), mask=m_j)
+
+
+@triton.jit
+def _age_kernel(p_age, n, TILE: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * TILE + tl.arange(0, TILE)
+    m_n = offs < n
+    tl.store(p_age + offs, tl.load(p_age + offs, mask=m_n, other=0) + 1, mask=m_n)
+
+
+DENSE_TILE = 2048
+DENSE_WARPS = 8
+
+
+def adams_dense_triton(p: torch.Tensor, m: torch.Tensor, g: torch.Tensor, *, lr: float,
+                       beta1: float, beta2: float, eps: float, weight_decay: float,
+                       model_out: torch.Tensor | None = None) -> None:
+    """Launch :func:`_adams_dense_kernel` (arguments already validated)."""
+    n = p.numel()
+    _adams_dense_kernel[(triton.cdiv(n, DENSE_TILE),)](
+        p, m, g, model_out if model_out is not None else p, n, lr, beta1, beta2, eps,
+        1.0 - lr * weight_decay, TILE=DENSE_TILE, HAS_OUT=model_out is not None,
+        num_warps=DENSE_WARPS)
+
+
+def adamw_dense_triton(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, g: torch.Tensor, *,
+                       lr: float, beta1: float, beta2: float, eps: float,
+                       weight_decay: float, step: int,
+                       model_out: torch.Tensor | None = None) -> None:
+    """Launch :func:`_adamw_dense_kernel`; bias corrections are host scalars."""
+    n = p.numel()
+    _adamw_dense_kernel[(triton.cdiv(n, DENSE_TILE),)](
+        p, m, v, g, model_out if model_out is not None else p, n, beta1, beta2, eps,
+        1.0 - lr * weight_decay, lr / (1.0 - beta1 ** step), (1.0 - beta2 ** step) ** 0.5,
+        TILE=DENSE_TILE, HAS_OUT=model_out is not None, num_warps=DENSE_WARPS)
+
+
+def adams_sparse_triton(p: torch.Tensor, m: torch.Tensor, age: torch.Tensor, g: torch.Tensor,
+                        idx: torch.Tensor, block_size: int, *, lr: float, beta1: float,
+                        beta2: float, eps: float, weight_decay: float,
+                        model_out: torch.Tensor | None = None) -> None:
+    """Launch :func:`_adams_sparse_kernel` then :func:`_age_kernel` (validated arguments)."""
+    n_blocks, k = idx.shape
+    k_tile = min(triton.next_power_of_2(k), 1024)
+    log_decay = math.log1p(-lr * weight_decay) if weight_decay != 0.0 else 0.0
+    _adams_sparse_kernel[(n_blocks, triton.cdiv(k, k_tile))](
+        p, m, age, g, idx, model_out if model_out is not None else p, k, lr, beta1, beta2,
+        eps, log_decay, BLOCK_SIZE=block_size, K_TILE=k_tile, HAS_DECAY=weight_decay != 0.0,
+        HAS_OUT=model_out is not None, num_warps=4 if k_tile >= 512 else 2)
+    n = age.numel()
+    _age_kernel[(triton.cdiv(n, DENSE_TILE),)](age, n, TILE=DENSE_TILE, num_warps=DENSE_WARPS)
 
 
 def _check_state(p: torch.Tensor, **state: torch.Tensor) -> None:
@@ -52,7 +183,8 @@ def adams_dense_(p: torch.Tensor, m: torch.Tensor, g: torch.Tensor, *, lr: float
     lr, beta1, beta2, eps, weight_decay = check_hparams(
         lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
     if use_triton(p):
-        pass  # Triton kernel: not yet available
+        return adams_dense_triton(p, m, g, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                                  weight_decay=weight_decay, model_out=model_out)
     reference.adams_dense_(p, m, g, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
                            weight_decay=weight_decay, model_out=model_out)
 
@@ -80,7 +212,9 @@ def adams_sparse_(p: torch.Tensor, m: torch.Tensor, age: torch.Tensor, g: torch.
     lr, beta1, beta2, eps, weight_decay = check_hparams(
         lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
     if use_triton(p):
-        pass  # Triton kernel: not yet available
+        return adams_sparse_triton(p, m, age, g, idx, block_size, lr=lr, beta1=beta1,
+                                   beta2=beta2, eps=eps, weight_decay=weight_decay,
+                                   model_out=model_out)
     reference.adams_sparse_(p, m, age, g, idx, block_size, lr=lr, beta1=beta1, beta2=beta2,
                             eps=eps, weight_decay=weight_decay, model_out=model_out)
 
@@ -96,6 +230,7 @@ def adamw_dense_(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, g: torch.Ten
         lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
     step = check_int("step", step, 1, 2**62)
     if use_triton(p):
-        pass  # Triton kernel: not yet available
+        return adamw_dense_triton(p, m, v, g, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                                  weight_decay=weight_decay, step=step, model_out=model_out)
     reference.adamw_dense_(p, m, v, g, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
                            weight_decay=weight_decay, step=step, model_out=model_out)

@@ -1,8 +1,22 @@
-"""Mask-indexed copies: take_ (gather then zero), gather, scatter_ (DESIGN §1 steps 1, 5)."""
+"""Mask-indexed copies: take_ (gather then zero), gather, scatter_ (DESIGN §1 steps 1, 5).
+
+Triton kernels: a 2-D grid, one program per (block, slice of ``K_TILE`` mask entries). The
+flat position ``b * block_size + idx[b, j]`` is computed in int64. With ``K = n_blocks * k``
+mask entries, ``s`` the source and ``o`` the output element size, the bytes moved are:
+
+- ``take_``:    ``K * (2 + s + o + s)``  (read idx, read src, write out, write zero to src)
+- ``gather``:   ``K * (2 + s + o)``, plus ``K * r`` with a residual of element size ``r``
+- ``scatter_``: ``K * (2 + v + d)``  (read idx and values, write dst)
+
+Gathers touch one sector per entry, so at low density they run at the memory system's
+random-access rate rather than its streaming bandwidth.
+"""
 
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
 from . import reference
 from ._checks import (
@@ -16,6 +30,98 @@ from ._checks import (
     check_tensor,
     use_triton,
 )
+
+
+@triton.jit
+def _mask_positions(p_idx, k, BLOCK_SIZE: tl.constexpr, K_TILE: tl.constexpr):
+    """(int64 flat positions, int64 compact positions, in-range mask) of this program's
+    slice of the mask."""
+    b = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1).to(tl.int64) * K_TILE + tl.arange(0, K_TILE)
+    m_j = j < k
+    compact = b * k + j
+    off = tl.load(p_idx + compact, mask=m_j, other=0).to(tl.int64)
+    return b * BLOCK_SIZE + off, compact, m_j
+
+
+@triton.jit
+def _take_kernel(p_src, p_idx, p_out, k, BLOCK_SIZE: tl.constexpr, K_TILE: tl.constexpr):
+    flat, compact, m_j = _mask_positions(p_idx, k, BLOCK_SIZE, K_TILE)
+    b_val = tl.load(p_src + flat, mask=m_j, other=0.0)
+    tl.store(p_out + compact, b_val.to(p_out.dtype.element_ty), mask=m_j)
+    tl.store(p_src + flat, tl.zeros_like(b_val), mask=m_j)
+
+
+@triton.jit
+def _gather_kernel(p_src, p_residual, p_idx, p_out, k, BLOCK_SIZE: tl.constexpr,
+                   K_TILE: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+    flat, compact, m_j = _mask_positions(p_idx, k, BLOCK_SIZE, K_TILE)
+    b_val = tl.load(p_src + flat, mask=m_j, other=0.0)
+    if HAS_RESIDUAL:
+        b_val = b_val.to(tl.float32) + tl.load(p_residual + flat, mask=m_j,
+                                               other=0.0).to(tl.float32)
+    tl.store(p_out + compact, b_val.to(p_out.dtype.element_ty), mask=m_j)
+
+
+@triton.jit
+def _scatter_kernel(p_dst, p_idx, p_values, k, BLOCK_SIZE: tl.constexpr,
+                    K_TILE: tl.constexpr):
+    flat, compact, m_j = _mask_positions(p_idx, k, BLOCK_SIZE, K_TILE)
+    b_val = tl.load(p_values + compact, mask=m_j, other=0.0)
+    tl.store(p_dst + flat, b_val.to(p_dst.dtype.element_ty), mask=m_j)
+
+
+def sparse_config(k: int) -> dict[str, int]:
+    """Launch settings: up to 1024 mask entries per program (the whole row for small k)."""
+    k_tile = min(triton.next_power_of_2(k), 1024)
+    return {"K_TILE": k_tile, "num_warps": 4 if k_tile >= 512 else 1 if k_tile <= 64 else 2}
+
+
+def _grid(n_blocks: int, k: int, k_tile: int) -> tuple[int, int]:
+    return (n_blocks, triton.cdiv(k, k_tile))
+
+
+def _compact_out(src: torch.Tensor, n: int, out: torch.Tensor | None,
+                 out_dtype: torch.dtype | None) -> torch.Tensor:
+    if out is not None:
+        return out
+    return torch.empty(n, dtype=out_dtype or src.dtype, device=src.device)
+
+
+def take_triton(src: torch.Tensor, idx: torch.Tensor, block_size: int, *,
+                out: torch.Tensor | None = None, out_dtype: torch.dtype | None = None
+                ) -> torch.Tensor:
+    """Launch :func:`_take_kernel` (arguments already validated)."""
+    n_blocks, k = idx.shape
+    out = _compact_out(src, n_blocks * k, out, out_dtype)
+    cfg = sparse_config(k)
+    _take_kernel[_grid(n_blocks, k, cfg["K_TILE"])](
+        src, idx, out, k, BLOCK_SIZE=block_size, K_TILE=cfg["K_TILE"],
+        num_warps=cfg["num_warps"])
+    return out
+
+
+def gather_triton(src: torch.Tensor, idx: torch.Tensor, block_size: int, *,
+                  residual: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                  out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Launch :func:`_gather_kernel` (arguments already validated)."""
+    n_blocks, k = idx.shape
+    out = _compact_out(src, n_blocks * k, out, out_dtype)
+    cfg = sparse_config(k)
+    _gather_kernel[_grid(n_blocks, k, cfg["K_TILE"])](
+        src, residual if residual is not None else src, idx, out, k, BLOCK_SIZE=block_size,
+        K_TILE=cfg["K_TILE"], HAS_RESIDUAL=residual is not None, num_warps=cfg["num_warps"])
+    return out
+
+
+def scatter_triton(dst: torch.Tensor, idx: torch.Tensor, block_size: int,
+                   values: torch.Tensor) -> None:
+    """Launch :func:`_scatter_kernel` (arguments already validated)."""
+    n_blocks, k = idx.shape
+    cfg = sparse_config(k)
+    _scatter_kernel[_grid(n_blocks, k, cfg["K_TILE"])](
+        dst, idx, values, k, BLOCK_SIZE=block_size, K_TILE=cfg["K_TILE"],
+        num_warps=cfg["num_warps"])
 
 
 def _check_indexed(name: str, t: torch.Tensor, idx: torch.Tensor,
@@ -36,7 +142,7 @@ def take_(src: torch.Tensor, idx: torch.Tensor, block_size: int, *,
     n_blocks, k = _check_indexed("src", src, idx, block_size)
     check_out("out", out, n_blocks * k, "one per mask entry", "src", src, out_dtype)
     if use_triton(src):
-        pass  # Triton kernel: not yet available
+        return take_triton(src, idx, block_size, out=out, out_dtype=out_dtype)
     return reference.take_(src, idx, block_size, out=out, out_dtype=out_dtype)
 
 
@@ -51,7 +157,8 @@ def gather(src: torch.Tensor, idx: torch.Tensor, block_size: int, *,
         check_same_device(src=src, residual=residual)
     check_out("out", out, n_blocks * k, "one per mask entry", "src", src, out_dtype)
     if use_triton(src):
-        pass  # Triton kernel: not yet available
+        return gather_triton(src, idx, block_size, residual=residual, out=out,
+                             out_dtype=out_dtype)
     return reference.gather(src, idx, block_size, residual=residual, out=out,
                             out_dtype=out_dtype)
 
@@ -64,5 +171,5 @@ def scatter_(dst: torch.Tensor, idx: torch.Tensor, block_size: int,
     check_numel("values", values, n_blocks * k, "one per mask entry")
     check_same_device(dst=dst, values=values)
     if use_triton(dst):
-        pass  # Triton kernel: not yet available
+        return scatter_triton(dst, idx, block_size, values)
     reference.scatter_(dst, idx, block_size, values)

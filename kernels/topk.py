@@ -1,8 +1,30 @@
-"""Blockwise top-k mask selection (DESIGN §1 step 4)."""
+"""Blockwise top-k mask selection (DESIGN §1 step 4).
+
+Triton kernel: one program per block, no sort. Each entry gets an int32 key whose signed
+order is the order we rank by:
+
+- score part: the bits of ``|x|`` as int32 (non-negative floats order like their bit
+  patterns; -0.0 and 0.0 both become 0), NaN mapped to -1, below every number;
+- explore part: ``age`` itself.
+
+The k-th largest key ``T`` is found by bisection on the key's 32 bits, most significant
+first: a candidate bit is kept when at least k eligible entries have a key >= the candidate
+(32 counting passes over the block). Entries with key > T are taken, and the lowest-offset
+entries with key == T fill the rest (an exclusive prefix count of the ties). The explore
+part repeats the search over ``age`` among entries the score part did not take. A final
+pass compacts the selection by a prefix sum, so offsets come out ascending.
+
+Bytes: the block is read once from memory (``block_size * (s + 4)`` bytes with age, ``s`` the
+score element size, ``block_size * s`` without); the bisection passes re-read it from
+L1/L2. Writes ``2 * k`` bytes per block. A block larger than ``CHUNK`` is walked in chunks so
+register use does not grow with ``block_size``.
+"""
 
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
 from . import reference
 from ._checks import (
@@ -15,6 +37,127 @@ from ._checks import (
     check_tensor,
     use_triton,
 )
+
+
+@triton.jit
+def _score_key(p_score, offs):
+    """Order-preserving int32 image of |score|: float bits with the sign cleared; NaN -> -1."""
+    x = tl.load(p_score + offs).to(tl.float32)
+    bits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    return tl.where(bits > 0x7F800000, -1, bits)
+
+
+@triton.jit
+def _top_selected(key, t, need, carry):
+    """Entries above threshold ``t``, plus the first ``need`` ties of the block (``carry`` ties
+    were seen in earlier chunks). Returns (selected, ties seen so far)."""
+    eq = key == t
+    eq_i = eq.to(tl.int32)
+    rank = carry + tl.cumsum(eq_i, axis=0) - eq_i
+    return (key > t) | (eq & (rank < need)), carry + tl.sum(eq_i, axis=0)
+
+
+@triton.jit
+def _explore_selected(age, taken, t, need, carry):
+    """Like :func:`_top_selected` over ``age``, among entries not ``taken`` only."""
+    free = ~taken
+    eq = (age == t) & free
+    eq_i = eq.to(tl.int32)
+    rank = carry + tl.cumsum(eq_i, axis=0) - eq_i
+    return ((age > t) & free) | (eq & (rank < need)), carry + tl.sum(eq_i, axis=0)
+
+
+@triton.jit
+def _blockwise_topk_kernel(p_score, p_age, p_idx, k, k_explore,
+                           BLOCK_SIZE: tl.constexpr, CHUNK: tl.constexpr,
+                           HAS_EXPLORE: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)
+    p_score += pid * BLOCK_SIZE
+    p_age += pid * BLOCK_SIZE
+    p_idx += pid * k
+    offs = tl.arange(0, CHUNK)
+    k_top = k - k_explore
+    int_min = -2147483648
+
+    # Score threshold: the largest t with count(key >= t) >= k_top, bit by bit. The key's
+    # signed order is its unsigned order with the sign bit flipped, so we build the flipped
+    # pattern `u` from the top bit down and test `u ^ int_min`.
+    u = tl.full((), 0, tl.int32)
+    bit = tl.full((), int_min, tl.int32)
+    for _ in range(32):
+        cand = (u | bit) ^ int_min
+        cnt = tl.full((), 0, tl.int32)
+        for c in range(0, BLOCK_SIZE, CHUNK):
+            b_key = _score_key(p_score, c + offs)
+            cnt += tl.sum((b_key >= cand).to(tl.int32), axis=0)
+        u = tl.where(cnt >= k_top, u | bit, u)
+        bit = (bit >> 1) & 0x7FFFFFFF
+    t_top = u ^ int_min
+    n_above = tl.full((), 0, tl.int32)
+    for c in range(0, BLOCK_SIZE, CHUNK):
+        b_key = _score_key(p_score, c + offs)
+        n_above += tl.sum((b_key > t_top).to(tl.int32), axis=0)
+    need_top = k_top - n_above
+
+    t_age = tl.full((), 0, tl.int32)
+    need_age = tl.full((), 0, tl.int32)
+    if HAS_EXPLORE:
+        # Age threshold among the entries the score part did not take.
+        u = tl.full((), 0, tl.int32)
+        bit = tl.full((), int_min, tl.int32)
+        for _ in range(32):
+            cand = (u | bit) ^ int_min
+            cnt = tl.full((), 0, tl.int32)
+            ties = tl.full((), 0, tl.int32)
+            for c in range(0, BLOCK_SIZE, CHUNK):
+                m_top, ties = _top_selected(_score_key(p_score, c + offs), t_top, need_top,
+                                            ties)
+                b_age = tl.load(p_age + c + offs)
+                cnt += tl.sum(((b_age >= cand) & ~m_top).to(tl.int32), axis=0)
+            u = tl.where(cnt >= k_explore, u | bit, u)
+            bit = (bit >> 1) & 0x7FFFFFFF
+        t_age = u ^ int_min
+        n_above = tl.full((), 0, tl.int32)
+        ties = tl.full((), 0, tl.int32)
+        for c in range(0, BLOCK_SIZE, CHUNK):
+            m_top, ties = _top_selected(_score_key(p_score, c + offs), t_top, need_top, ties)
+            b_age = tl.load(p_age + c + offs)
+            n_above += tl.sum(((b_age > t_age) & ~m_top).to(tl.int32), axis=0)
+        need_age = k_explore - n_above
+
+    # Compaction: running prefix count of the selection gives each offset its output slot.
+    written = tl.full((), 0, tl.int32)
+    ties = tl.full((), 0, tl.int32)
+    age_ties = tl.full((), 0, tl.int32)
+    for c in range(0, BLOCK_SIZE, CHUNK):
+        m_sel, ties = _top_selected(_score_key(p_score, c + offs), t_top, need_top, ties)
+        if HAS_EXPLORE:
+            b_age = tl.load(p_age + c + offs)
+            m_age, age_ties = _explore_selected(b_age, m_sel, t_age, need_age, age_ties)
+            m_sel = m_sel | m_age
+        sel_i = m_sel.to(tl.int32)
+        slot = written + tl.cumsum(sel_i, axis=0) - sel_i
+        tl.store(p_idx + slot, (c + offs).to(tl.int16), mask=m_sel)
+        written += tl.sum(sel_i, axis=0)
+
+
+def topk_config(block_size: int) -> dict[str, int]:
+    """Launch settings: chunks of at most 2048 entries, 8 warps (8 entries per thread)."""
+    chunk = min(block_size, 2048)
+    return {"CHUNK": chunk, "num_warps": 8 if chunk >= 2048 else 4}
+
+
+def blockwise_topk_triton(score: torch.Tensor, k: int, block_size: int, *,
+                          age: torch.Tensor | None = None, k_explore: int = 0) -> torch.Tensor:
+    """Launch :func:`_blockwise_topk_kernel` (arguments already validated)."""
+    n_blocks = score.numel() // block_size
+    idx = torch.empty((n_blocks, k), dtype=torch.int16, device=score.device)
+    cfg = topk_config(block_size)
+    _blockwise_topk_kernel[(n_blocks,)](
+        score, age if age is not None else score, idx, k, k_explore,
+        BLOCK_SIZE=block_size, CHUNK=cfg["CHUNK"], HAS_EXPLORE=k_explore > 0,
+        num_warps=cfg["num_warps"])
+    return idx
 
 
 def blockwise_topk(score: torch.Tensor, k: int, block_size: int, *,
@@ -37,5 +180,5 @@ def blockwise_topk(score: torch.Tensor, k: int, block_size: int, *,
     elif k_explore > 0:
         raise ValueError(f"k_explore={k_explore} needs age (an int32 tensor); got age=None")
     if use_triton(score):
-        pass  # Triton kernel: not yet available, the torch path serves every device
+        return blockwise_topk_triton(score, k, block_size, age=age, k_explore=k_explore)
     return reference.blockwise_topk(score, k, block_size, age=age, k_explore=k_explore)

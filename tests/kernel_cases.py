@@ -5,6 +5,7 @@ formulas written straight from DESIGN §1 (arithmetic). They share no code with
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 
@@ -75,3 +76,32 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtyp
     assert not torch.isnan(actual).any(), f"{what}: NaN in output (element not written?)"
     torch.testing.assert_close(actual.double(), expected.double(), rtol=rtol, atol=atol,
                                msg=lambda m: f"{what} ({dtype}): {m}")
+
+
+def _bf16_truncated(x: torch.Tensor) -> torch.Tensor:
+    """fp32 -> bf16 by dropping the low 16 bits (round toward zero)."""
+    bits = x.float().contiguous().view(torch.int32) & -65536
+    return bits.view(torch.float32).bfloat16()
+
+
+def assert_cast_equal(actual: torch.Tensor, source: torch.Tensor, what: str) -> None:
+    """``actual`` is ``source`` cast to ``actual.dtype``, bitwise.
+
+    One allowance: Triton's interpreter converts fp32 -> bf16 by truncation (its cast has no
+    rounding mode), while torch and the GPU (``cvt.rn.bf16.f32``) round to nearest even. So
+    for a bf16 output written from wider values under the interpreter, each element must be
+    one of those two roundings, and nothing else.
+    """
+    expected = source.to(actual.dtype)
+    if torch.equal(actual, expected):
+        return
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    if actual.dtype == torch.bfloat16 and source.dtype != torch.bfloat16 and interpreted:
+        ok = (actual == expected) | (actual == _bf16_truncated(source)) | (
+            torch.isnan(actual) & torch.isnan(expected))
+        assert ok.all(), f"{what}: {int((~ok).sum())} elements are neither RNE nor truncation"
+        return
+    bad = (actual != expected) & ~(torch.isnan(actual) & torch.isnan(expected))
+    assert not bad.any(), (f"{what}: {int(bad.sum())} of {actual.numel()} elements differ "
+                           f"from the cast, e.g. {actual[bad][:4].tolist()} vs "
+                           f"{expected[bad][:4].tolist()}")
