@@ -1,0 +1,233 @@
+"""take_, gather, scatter_, adams_dense_, adams_sparse_, adamw_dense_, grad_stats: the Triton
+kernels (through the interpreter on CPU) against the torch implementation and float64
+references. Copies are bitwise; arithmetic is within the per-dtype tolerance table; every
+output is pre-filled with NaN so an element the kernel forgot fails."""
+
+from __future__ import annotations
+
+import zlib
+
+import pytest
+import torch
+from conftest import nan_empty
+from kernel_cases import (
+    TOL,
+    adams_f64,
+    adamw_f64,
+    assert_cast_equal,
+    assert_close,
+    flat_positions,
+)
+
+from scape import kernels
+from scape.kernels import reference as ref
+
+F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
+HP = dict(lr=3e-2, beta1=0.9, beta2=0.95, eps=1e-8)
+
+
+@pytest.fixture(params=["triton", "torch"])
+def backend(request, monkeypatch):
+    """Every test runs on both paths of the public API."""
+    monkeypatch.setenv("SCAPE_KERNELS", request.param)
+    return request.param
+
+
+def _gen(*key) -> torch.Generator:
+    return torch.Generator().manual_seed(zlib.crc32("-".join(map(str, key)).encode()))
+
+
+def _random_mask(n_blocks: int, block_size: int, k: int, gen: torch.Generator) -> torch.Tensor:
+    """Random sorted distinct offsets per block, always including the block's last offset
+    when k > 1 (the int16 / int64 edge)."""
+    keys = torch.rand(n_blocks, block_size, generator=gen)
+    if k > 1:
+        keys[:, -1] = 2.0
+    return keys.topk(k, dim=1).indices.sort(dim=1).values.to(torch.int16).contiguous()
+
+
+def _outside(n: int, flat: torch.Tensor) -> torch.Tensor:
+    keep = torch.ones(n, dtype=torch.bool)
+    keep[flat] = False
+    return keep
+
+
+SPARSE_CASES = [
+    pytest.param(256, 1, 1, F32, F32, id="b256-nb1-k1-f32"),
+    pytest.param(256, 6, 26, F32, BF16, id="b256-nb6-k26-f32-to-bf16"),
+    pytest.param(256, 3, 256, BF16, F32, id="b256-nb3-kB-bf16-to-f32"),
+    pytest.param(256, 3, 26, F16, F16, id="b256-nb3-k26-f16"),
+    pytest.param(256, 2, 26, BF16, F16, id="b256-nb2-k26-bf16-to-f16"),
+    pytest.param(4096, 3, 410, F32, F32, id="b4096-nb3-k410-f32"),
+    pytest.param(4096, 2, 41, BF16, BF16, id="b4096-nb2-k41-bf16"),
+    pytest.param(4096, 1, 4096, F16, F32, id="b4096-nb1-kB-f16-to-f32"),
+    pytest.param(32768, 2, 3, F32, F32, id="b32768-nb2-offset-32767"),
+]
+
+
+@pytest.mark.parametrize("block_size,n_blocks,k,src_dtype,out_dtype", SPARSE_CASES)
+def test_take_gather_scatter(backend, block_size, n_blocks, k, src_dtype, out_dtype):
+    gen = _gen("sparse", block_size, n_blocks, k, src_dtype, out_dtype)
+    n = n_blocks * block_size
+    idx = _random_mask(n_blocks, block_size, k, gen)
+    flat = flat_positions(idx, block_size)
+    outside = _outside(n, flat)
+    src = torch.randn(n, generator=gen).to(src_dtype)
+    residual = torch.randn(n, generator=gen)
+    before = src.clone()
+
+    # gather: src (+ residual) in fp32, cast; inputs untouched
+    out = nan_empty(n_blocks * k, out_dtype)
+    got = kernels.gather(src, idx, block_size, out=out)
+    assert got is out
+    assert_cast_equal(out, before[flat], "gather")
+    out = nan_empty(n_blocks * k, out_dtype)
+    kernels.gather(src, idx, block_size, residual=residual, out=out)
+    assert_cast_equal(out, before[flat].float() + residual[flat], "gather + residual")
+    assert torch.equal(src, before)
+
+    # take_: values out, zeros left behind, nothing else touched
+    out = nan_empty(n_blocks * k, out_dtype)
+    kernels.take_(src, idx, block_size, out=out)
+    assert_cast_equal(out, before[flat], "take_ values")
+    assert (src[flat] == 0).all()
+    assert torch.equal(src[outside], before[outside])
+    auto = kernels.take_(before.clone(), idx, block_size, out_dtype=out_dtype)
+    assert auto.dtype == out_dtype and auto.shape == (n_blocks * k,)
+    assert_cast_equal(auto, before[flat], "take_ allocated output")
+
+    # scatter_: exactly the mask's positions, cast on write
+    values = torch.randn(n_blocks * k, generator=gen).to(out_dtype)
+    dst = nan_empty(n, src_dtype)
+    kernels.scatter_(dst, idx, block_size, values)
+    assert_cast_equal(dst[flat], values, "scatter_")
+    assert torch.isnan(dst[outside]).all(), "scatter_ wrote outside the mask"
+
+
+DENSE_CASES = [
+    pytest.param(F32, None, 0.0, id="g-f32-no-out-wd0"),
+    pytest.param(F32, F32, 0.1, id="g-f32-out-f32"),
+    pytest.param(BF16, BF16, 0.1, id="g-bf16-out-bf16"),
+    pytest.param(F16, F16, 0.01, id="g-f16-out-f16"),
+    pytest.param(BF16, F16, 0.0, id="g-bf16-out-f16-wd0"),
+]
+
+
+@pytest.mark.parametrize("g_dtype,out_dtype,wd", DENSE_CASES)
+@pytest.mark.parametrize("n", [pytest.param(256, id="n256"), pytest.param(3 * 4096 + 768,
+                                                                         id="n13056-tail")])
+def test_adams_dense(backend, g_dtype, out_dtype, wd, n):
+    gen = _gen("adams", g_dtype, out_dtype, wd, n)
+    p0 = torch.randn(n, generator=gen)
+    m0 = torch.randn(n, generator=gen) * 0.1
+    g = torch.randn(n, generator=gen).to(g_dtype)
+    p, m = p0.clone(), m0.clone()
+    out = nan_empty(n, out_dtype) if out_dtype is not None else None
+    kernels.adams_dense_(p, m, g, weight_decay=wd, model_out=out, **HP)
+    ep, em = adams_f64(p0, m0, g, HP["lr"], HP["beta1"], HP["beta2"], HP["eps"], wd)
+    assert_close(p, ep, F32, "p")
+    assert_close(m, em, F32, "m")
+    if out is not None:
+        assert_cast_equal(out, p, "model_out")
+    # the other path agrees with this one within the same tolerance
+    p2, m2 = p0.clone(), m0.clone()
+    ref.adams_dense_(p2, m2, g, weight_decay=wd, **HP)
+    rtol, atol = TOL[F32]
+    torch.testing.assert_close(p, p2, rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("g_dtype,out_dtype,wd", DENSE_CASES)
+@pytest.mark.parametrize("step", [1, 10])
+def test_adamw_dense(backend, g_dtype, out_dtype, wd, step):
+    n = 3 * 4096 + 768
+    gen = _gen("adamw", g_dtype, out_dtype, wd, step)
+    p0 = torch.randn(n, generator=gen)
+    m0 = torch.randn(n, generator=gen) * 0.1
+    v0 = torch.rand(n, generator=gen) * 0.01
+    g = torch.randn(n, generator=gen).to(g_dtype)
+    p, m, v = p0.clone(), m0.clone(), v0.clone()
+    out = nan_empty(n, out_dtype) if out_dtype is not None else None
+    kernels.adamw_dense_(p, m, v, g, weight_decay=wd, step=step, model_out=out, **HP)
+    ep, em, ev = adamw_f64(p0, m0, v0, g, HP["lr"], HP["beta1"], HP["beta2"], HP["eps"], wd,
+                           step)
+    assert_close(p, ep, F32, "p")
+    assert_close(m, em, F32, "m")
+    assert_close(v, ev, F32, "v")
+    if out is not None:
+        assert_cast_equal(out, p, "model_out")
+
+
+def test_adamw_dense_torch_path_is_bitwise_torch_adamw(monkeypatch):
+    monkeypatch.setenv("SCAPE_KERNELS", "torch")
+    gen = _gen("adamw-bitwise")
+    n = 4096 + 256
+    param = torch.nn.Parameter(torch.randn(n, generator=gen))
+    opt = torch.optim.AdamW([param], lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.05,
+                            foreach=False)
+    p, m, v = param.detach().clone(), torch.zeros(n), torch.zeros(n)
+    for step in range(1, 4):
+        g = torch.randn(n, generator=gen)
+        param.grad = g.clone()
+        opt.step()
+        kernels.adamw_dense_(p, m, v, g, lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8,
+                             weight_decay=0.05, step=step)
+        assert torch.equal(p, param.detach()), f"step {step}"
+
+
+SPARSE_UPDATE_CASES = [
+    pytest.param(256, 1, 1, F32, F32, 0.1, id="b256-nb1-k1"),
+    pytest.param(256, 5, 26, BF16, BF16, 0.1, id="b256-nb5-k26-bf16"),
+    pytest.param(256, 2, 256, F16, F16, 0.0, id="b256-nb2-kB-f16-wd0"),
+    pytest.param(4096, 3, 410, F32, BF16, 0.1, id="b4096-nb3-k410"),
+    pytest.param(4096, 2, 41, BF16, F32, 0.05, id="b4096-nb2-k41"),
+    pytest.param(32768, 1, 2, F32, F32, 0.1, id="b32768-offset-32767"),
+]
+
+
+@pytest.mark.parametrize("block_size,n_blocks,k,g_dtype,out_dtype,wd", SPARSE_UPDATE_CASES)
+def test_adams_sparse(backend, block_size, n_blocks, k, g_dtype, out_dtype, wd):
+    gen = _gen("adams_sparse", block_size, n_blocks, k, g_dtype, out_dtype, wd)
+    n = n_blocks * block_size
+    idx = _random_mask(n_blocks, block_size, k, gen)
+    flat = flat_positions(idx, block_size)
+    outside = _outside(n, flat)
+    p0 = torch.randn(n, generator=gen)
+    m0 = torch.randn(n, generator=gen) * 0.1
+    age0 = torch.randint(0, 200, (n,), generator=gen, dtype=torch.int32)
+    g = torch.randn(n_blocks * k, generator=gen).to(g_dtype)
+    p, m, age = p0.clone(), m0.clone(), age0.clone()
+    out = nan_empty(n_blocks * k, out_dtype)
+    kernels.adams_sparse_(p, m, age, g, idx, block_size, weight_decay=wd, model_out=out, **HP)
+    ep, em = adams_f64(p0[flat], m0[flat], g, HP["lr"], HP["beta1"], HP["beta2"], HP["eps"],
+                       wd, age=age0[flat])
+    assert_close(p[flat], ep, F32, "p at the mask")
+    assert_close(m[flat], em, F32, "m at the mask")
+    assert_cast_equal(out, p[flat], "model_out")
+    assert torch.equal(p[outside], p0[outside]) and torch.equal(m[outside], m0[outside])
+    assert (age[flat] == 0).all()
+    assert torch.equal(age[outside], age0[outside] + 1)
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16, F16], ids=["f32", "bf16", "f16"])
+@pytest.mark.parametrize("n", [pytest.param(256, id="n256"),
+                               pytest.param(5 * 4096 + 256, id="n20736-multi-tile")])
+def test_grad_stats(backend, dtype, n):
+    gen = _gen("stats", dtype, n)
+    x = (torch.randn(n, generator=gen) * 3).to(dtype)
+    s = kernels.grad_stats(x)
+    assert s.dtype == F32 and s.shape == (2,)
+    torch.testing.assert_close(s[0].double(), (x.double() ** 2).sum(), rtol=1e-5, atol=0)
+    assert s[1].item() == 0
+    bad = torch.randperm(n, generator=gen)[:7]
+    x[bad[:3]] = float("nan")
+    x[bad[3:5]] = float("inf")
+    x[bad[5:]] = -float("inf")
+    s = kernels.grad_stats(x)
+    assert s[1].item() == 7
+    assert not torch.isfinite(s[0])
+
+
+def test_grad_stats_is_deterministic(backend):
+    x = torch.randn(9 * 4096, generator=_gen("stats-det"))
+    a, b = kernels.grad_stats(x), kernels.grad_stats(x)
+    assert torch.equal(a, b)
