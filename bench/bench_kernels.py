@@ -1,0 +1,197 @@
+"""Micro-benchmarks of every kernel op at n = 2^24 (block 4096, sparsity 0.9 and 0.99).
+
+On CPU tensors this times the torch path; on a GPU (``SCAPE_BENCH_DEVICE=cuda``) the Triton
+kernels. Each benchmark stores in ``extra_info``: the bytes the op must move (as counted in
+the op's docstring), the achieved GB/s, the GB/s of a plain memory copy of the same number of
+bytes timed in the same test, their ratio, and elements/s for the sparse ops.
+``blockwise_topk`` is timed beside ``torch.topk`` over the ``[n_blocks, block_size]`` view.
+
+    pytest bench/bench_kernels.py --benchmark-only                       # run, print table
+    pytest bench/bench_kernels.py --benchmark-only \\
+        --benchmark-storage=bench/baseline --benchmark-save=cpu          # store a baseline
+    pytest bench/bench_kernels.py --benchmark-only \\
+        --benchmark-storage=bench/baseline --benchmark-compare           # compare with it
+    SCAPE_BENCH_SMOKE=1 pytest bench/bench_kernels.py --benchmark-disable  # n = 2^16, quick
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from scape import kernels
+
+SMOKE = os.environ.get("SCAPE_BENCH_SMOKE", "0") == "1"
+N = 1 << (16 if SMOKE else 24)
+BLOCK = 4096
+DEVICE = os.environ.get("SCAPE_BENCH_DEVICE", "cpu")
+ROUNDS = 2 if SMOKE else 10
+SPARSITIES = [pytest.param(0.9, id="s0.9"), pytest.param(0.99, id="s0.99")]
+
+
+def _k(sparsity: float) -> int:
+    """Entries per block: max(1, round(density * block_size)) (DESIGN §1)."""
+    return max(1, round((1.0 - sparsity) * BLOCK))
+
+
+def _sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def _best_time(fn: Callable[[], object], rounds: int) -> float:
+    """Fastest of ``rounds`` timed calls after one warm-up call (seconds)."""
+    fn()
+    _sync()
+    best = float("inf")
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        fn()
+        _sync()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def _copy_seconds(n_bytes: int) -> float:
+    """A memory copy moving ``n_bytes`` (half read, half written), best of a few rounds."""
+    src = torch.ones(max(1, n_bytes // 2), dtype=torch.uint8, device=DEVICE)
+    dst = torch.empty_like(src)
+    return _best_time(lambda: dst.copy_(src), 3 * ROUNDS)
+
+
+def _run(benchmark, fn: Callable[[], object], n_bytes: int, elements: int | None = None,
+         beside: dict[str, Callable[[], object]] | None = None) -> None:
+    """Time ``fn`` with pytest-benchmark and record bytes, GB/s and the copy ratio."""
+    benchmark.pedantic(fn, rounds=ROUNDS, iterations=1, warmup_rounds=1,
+                       setup=_sync if DEVICE == "cuda" else None)
+    info = benchmark.extra_info
+    info.update(n=N, block_size=BLOCK, device=DEVICE, bytes=n_bytes)
+    stats = getattr(benchmark, "stats", None)
+    if stats is None:  # --benchmark-disable: ran once, nothing timed
+        return
+    t = stats.stats.min
+    copy_t = _copy_seconds(n_bytes)
+    info["GB/s"] = round(n_bytes / t / 1e9, 2)
+    info["copy GB/s"] = round(n_bytes / copy_t / 1e9, 2)
+    info["vs copy"] = round(copy_t / t, 3)
+    if elements is not None:
+        info["Melem/s"] = round(elements / t / 1e6, 1)
+    for name, other in (beside or {}).items():
+        other_t = _best_time(other, max(3, ROUNDS // 2))
+        info[f"{name} s"] = round(other_t, 5)
+        info[f"vs {name}"] = round(other_t / t, 3)
+
+
+@pytest.fixture(scope="module")
+def data() -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    t = {
+        "score": torch.randn(N, generator=gen),
+        "age": torch.randint(0, 100, (N,), generator=gen, dtype=torch.int32),
+        "p": torch.randn(N, generator=gen),
+        "m": torch.randn(N, generator=gen) * 1e-2,
+        "v": torch.rand(N, generator=gen) * 1e-4,
+        "g": torch.randn(N, generator=gen),
+    }
+    return {name: x.to(DEVICE) for name, x in t.items()}
+
+
+def _mask(data, sparsity: float) -> torch.Tensor:
+    return kernels.blockwise_topk(data["score"], _k(sparsity), BLOCK)
+
+
+@pytest.mark.parametrize("sparsity", SPARSITIES)
+def test_blockwise_topk(benchmark, data, sparsity):
+    benchmark.group = "blockwise_topk"
+    k = _k(sparsity)
+    k_explore = round(0.1 * k)
+    score, age = data["score"], data["age"]
+    view = score.view(-1, BLOCK)
+    idx = kernels.blockwise_topk(score, k, BLOCK, age=age, k_explore=k_explore)
+    assert idx.shape == (N // BLOCK, k)
+    # reads score and age, writes the int16 mask
+    _run(benchmark, lambda: kernels.blockwise_topk(score, k, BLOCK, age=age,
+                                                   k_explore=k_explore),
+         N * 8 + idx.numel() * 2, elements=N,
+         beside={"torch.topk": lambda: torch.topk(view.abs(), k, dim=1, sorted=False)})
+
+
+@pytest.mark.parametrize("sparsity", SPARSITIES)
+def test_torch_topk_view(benchmark, data, sparsity):
+    """Reference point: torch.topk of |score| over the [n_blocks, block_size] view (no
+    explore part, no tie rule, unsorted indices)."""
+    benchmark.group = "blockwise_topk"
+    view = data["score"].view(-1, BLOCK)
+    k = _k(sparsity)
+    _run(benchmark, lambda: torch.topk(view.abs(), k, dim=1, sorted=False), N * 4,
+         elements=N)
+
+
+@pytest.mark.parametrize("sparsity", SPARSITIES)
+def test_take_(benchmark, data, sparsity):
+    benchmark.group = "sparse copies"
+    idx = _mask(data, sparsity)
+    buf = data["g"].clone()
+    out = torch.empty(idx.numel(), device=DEVICE)
+    n_k = idx.numel()
+    _run(benchmark, lambda: kernels.take_(buf, idx, BLOCK, out=out), n_k * (2 + 4 + 4 + 4),
+         elements=n_k)
+
+
+@pytest.mark.parametrize("sparsity", SPARSITIES)
+def test_gather_with_residual(benchmark, data, sparsity):
+    benchmark.group = "sparse copies"
+    idx = _mask(data, sparsity)
+    out = torch.empty(idx.numel(), dtype=torch.bfloat16, device=DEVICE)
+    n_k = idx.numel()
+    _run(benchmark, lambda: kernels.gather(data["g"], idx, BLOCK, residual=data["v"], out=out),
+         n_k * (2 + 4 + 4 + 2), elements=n_k)
+
+
+@pytest.mark.parametrize("sparsity", SPARSITIES)
+def test_scatter_(benchmark, data, sparsity):
+    benchmark.group = "sparse copies"
+    idx = _mask(data, sparsity)
+    dst = data["p"].to(torch.bfloat16)
+    values = torch.randn(idx.numel(), device=DEVICE).to(torch.bfloat16)
+    n_k = idx.numel()
+    _run(benchmark, lambda: kernels.scatter_(dst, idx, BLOCK, values), n_k * (2 + 2 + 2),
+         elements=n_k)
+
+
+HP = dict(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
+
+
+@pytest.mark.parametrize("sparsity", SPARSITIES)
+def test_adams_sparse_(benchmark, data, sparsity):
+    benchmark.group = "optimizer updates"
+    idx = _mask(data, sparsity)
+    p, m, age = data["p"].clone(), data["m"].clone(), data["age"].clone()
+    n_k = idx.numel()
+    g = torch.randn(n_k, device=DEVICE)
+    out = torch.empty(n_k, dtype=torch.bfloat16, device=DEVICE)
+    # masked: idx, g, p/m/age read and written, model_out; dense: age += 1
+    _run(benchmark, lambda: kernels.adams_sparse_(p, m, age, g, idx, BLOCK, model_out=out,
+                                                  **HP),
+         n_k * (2 + 4 + 12 + 12 + 2) + N * 8, elements=n_k)
+
+
+def test_adams_dense_(benchmark, data):
+    benchmark.group = "optimizer updates"
+    p, m = data["p"].clone(), data["m"].clone()
+    _run(benchmark, lambda: kernels.adams_dense_(p, m, data["g"], **HP), N * 20)
+
+
+def test_adamw_dense_(benchmark, data):
+    benchmark.group = "optimizer updates"
+    p, m, v = data["p"].clone(), data["m"].clone(), data["v"].clone()
+    _run(benchmark, lambda: kernels.adamw_dense_(p, m, v, data["g"], step=10, **HP), N * 28)
+
+
+def test_grad_stats(benchmark, data):
+    benchmark.group = "grad_stats"
+    _run(benchmark, lambda: kernels.grad_stats(data["g"]), N * 4)
