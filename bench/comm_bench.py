@@ -222,6 +222,11 @@ def _fmt(row: dict) -> str:
             f"{row['t_both'] * 1e3:.2f} ms -> hidden {row['hidden_fraction']:.2f}")
 
 
+def _mbps(bytes_per_s: float) -> str:
+    v = bytes_per_s / 1e6
+    return f"{v:.0f}" if v >= 100 else f"{v:.3g}"
+
+
 def _size(n: int) -> str:
     for unit, scale in (("MB", 1024**2), ("KB", 1024)):
         if n >= scale:
@@ -230,10 +235,10 @@ def _size(n: int) -> str:
 
 
 def markdown(results: list[dict], overlap: list[dict]) -> str:
-    """The bandwidth table (GB/s, payload per second) and the overlap table, as markdown."""
+    """The bandwidth table (MB/s of payload, 1 MB = 1e6 B) and the overlap table (markdown)."""
     worlds = sorted({r["world"] for r in results})
     sizes = sorted({r["bytes"] for r in results if r["world"] == worlds[0]})
-    head = "| payload | " + " | ".join(f"{op} W={w}" for w in worlds for op in OPS) + " |"
+    head = "| payload | " + " | ".join(f"{op} W={w} (MB/s)" for w in worlds for op in OPS) + " |"
     lines = [head, "|" + "---|" * (1 + len(worlds) * len(OPS))]
     for i, _ in enumerate(sizes):
         cells = []
@@ -241,7 +246,7 @@ def markdown(results: list[dict], overlap: list[dict]) -> str:
             for op in OPS:
                 rows = sorted((r for r in results if r["world"] == w and r["op"] == op),
                               key=lambda r: r["bytes"])
-                cells.append(f"{rows[i]['algbw_Bps'] / 1e9:.3f}" if i < len(rows) else "")
+                cells.append(_mbps(rows[i]["algbw_Bps"]) if i < len(rows) else "")
         lines.append(f"| {_size(sizes[i])} | " + " | ".join(cells) + " |")
     lines += ["", "| W | op | payload | alone ms | compute ms | both ms | hidden | done early |",
               "|---|---|---|---|---|---|---|---|"]
