@@ -206,7 +206,7 @@ class SCAPE(ShardedOptimizer):
         rows = mask[b.rank * mask_state.n_local:(b.rank + 1) * mask_state.n_local]
         values = torch.empty(rows.numel(), dtype=b.dtype, device=b.device)
         with phase("scape/update", b.device):
-            self.rule(self.shards[i], g, rows, self.block_size, hp, values)
+            self.rule.update(self.shards[i], g, rows, self.block_size, hp, values)
         gathered = torch.empty(mask.numel(), dtype=b.dtype, device=b.device)
         with phase("scape/all_gather", b.device):
             work = self.comm.all_gather(gathered, values)
@@ -230,7 +230,8 @@ class SCAPE(ShardedOptimizer):
                 continue
             s = self.shards[i]
             with phase("scape/mask", b.device):
-                idx = blockwise_topk(s.m, mask_state.k, self.block_size,
+                score = s.m if self.rule.score is None else self.rule.score(s)
+                idx = blockwise_topk(score, mask_state.k, self.block_size,
                                      age=s.age if mask_state.k_explore else None,
                                      k_explore=mask_state.k_explore)
                 age_blocks = s.age.view(mask_state.n_local, self.block_size)

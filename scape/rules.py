@@ -1,18 +1,28 @@
-"""Rules for a sparse step: what the owner does with the synchronized compact gradient.
+"""Rules for a sparse step: what the owner does with the synchronized compact gradient, and
+which statistic picks the next mask.
 
-A rule is one function ``rule(shard, g, idx, block_size, hp, model_out)``:
+A rule is a :class:`Rule`: an ``update`` function plus an optional ``score`` function.
+
+``update(shard, g, idx, block_size, hp, model_out)``:
 
 - ``shard``: the owner's :class:`ShardState` (fp32 ``master``, fp32 ``m``, int32 ``age`` over
   the whole shard, plus ``extra`` tensors a rule may keep);
-- ``g``: the averaged gradient at the mask coordinates (fp32, compact, ``n_blocks * k``);
+- ``g``: the averaged gradient at the mask coordinates (fp32, compact, ``n_blocks * k``). With
+  error feedback it is everything accumulated there since the coordinate was last sent;
 - ``idx``: the owner's mask, int16 ``[n_blocks, k]`` block-local offsets;
 - ``hp``: ``lr``, ``beta1``, ``beta2``, ``eps``, ``weight_decay`` of the param group;
 - ``model_out``: compact buffer (model dtype) that must receive the new parameter values at
   the mask coordinates; it is all-gathered and scattered into every rank's model.
 
-Only the mask coordinates are sent, so a rule may change other coordinates of ``master`` only
-if every rank can reproduce that change (otherwise the ranks' models drift apart).
-Registering a variant is one function plus one entry in :data:`RULES`.
+It must set ``age = 0`` at the mask and ``age += 1`` elsewhere. Only the mask coordinates are
+sent, so a rule may change other coordinates of ``master`` only if every rank can reproduce
+that change (otherwise the ranks' models drift apart).
+
+``score(shard) -> Tensor`` (length S): the next mask takes, per block, the largest ``|score|``
+(default: the first moment ``m``, DESIGN §1 step 4).
+
+Registering a variant is one :class:`Rule` in :data:`RULES` plus its test. The rules and what
+each one measured are in bench/README.md ("Convergence and the quality research").
 """
 
 from __future__ import annotations
@@ -35,7 +45,17 @@ class ShardState:
     extra: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
 
 
-Rule = Callable[[ShardState, torch.Tensor, torch.Tensor, int, dict, torch.Tensor], None]
+UpdateFn = Callable[[ShardState, torch.Tensor, torch.Tensor, int, dict, torch.Tensor], None]
+ScoreFn = Callable[[ShardState], torch.Tensor]
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """A sparse-step rule: the owner's update and the statistic the next mask is taken from."""
+
+    update: UpdateFn
+    score: ScoreFn | None = None
+    """None: the first moment ``m`` (|m| picks the mask)."""
 
 
 def lazy(shard: ShardState, g: torch.Tensor, idx: torch.Tensor, block_size: int, hp: dict,
@@ -43,12 +63,62 @@ def lazy(shard: ShardState, g: torch.Tensor, idx: torch.Tensor, block_size: int,
     """DESIGN §1 step 3: AdamS at the mask coordinates; the rest are frozen (``age += 1``).
 
     Weight decay is lazy: a coordinate updated after ``a`` frozen steps is decayed by
-    ``(1 - lr*wd)^(a+1)``, so the total decay matches dense AdamW.
+    ``(1 - lr*wd)^(a+1)``, so the total decay matches dense AdamW. One fused kernel.
     """
     adams_sparse_(shard.master, shard.m, shard.age, g, idx, block_size, lr=hp["lr"],
                   beta1=hp["beta1"], beta2=hp["beta2"], eps=hp["eps"],
                   weight_decay=hp["weight_decay"], model_out=model_out)
 
 
-RULES: dict[str, Rule] = {"lazy": lazy}
+def _flat(idx: torch.Tensor, block_size: int) -> torch.Tensor:
+    rows = torch.arange(idx.shape[0], device=idx.device, dtype=torch.int64)[:, None]
+    return (rows * block_size + idx.to(torch.int64)).view(-1)
+
+
+def catchup_mean(shard: ShardState, g: torch.Tensor, idx: torch.Tensor, block_size: int,
+                 hp: dict, model_out: torch.Tensor) -> None:
+    """Replay the ``a + 1`` steps a coordinate missed, from their mean gradient.
+
+    With error feedback, ``g`` is the sum of the ``a + 1`` per-step gradients accumulated
+    since the coordinate was last sent. This rule feeds their mean ``g / (a + 1)`` to AdamS
+    as if it had arrived on each of those steps: the moment decays by ``beta1^(a+1)`` toward
+    the mean, and the parameter moves ``a + 1`` normalized steps (each ``m / (sqrt(v)+eps)``
+    evaluated at the end state), with the lazy weight decay. Torch ops on the compact
+    coordinates (research rule, not fused).
+    """
+    flat = _flat(idx, block_size)
+    a1 = shard.age[flat].to(torch.float32) + 1.0
+    b1, b2, lr, eps = hp["beta1"], hp["beta2"], hp["lr"], hp["eps"]
+    mean = g / a1
+    m_old = shard.m[flat]
+    v = b2 * m_old * m_old + (1.0 - b2) * mean * mean
+    decay1 = torch.pow(torch.full_like(a1, b1), a1)
+    m_new = decay1 * m_old + (1.0 - decay1) * mean
+    p = shard.master[flat]
+    p = p * torch.pow(torch.full_like(a1, 1.0 - lr * hp["weight_decay"]), a1)
+    p = p - lr * a1 * m_new / (v.sqrt() + eps)
+    shard.master[flat] = p
+    shard.m[flat] = m_new
+    shard.age += 1
+    shard.age[flat] = 0
+    model_out.copy_(p)
+
+
+def accumulated_score(shard: ShardState) -> torch.Tensor:
+    """``|m| * (age + 1)``: an estimate of the gradient mass waiting in the residuals.
+
+    A coordinate unsent for ``a`` steps has accumulated about ``(a + 1) * E[g]`` across the
+    ranks' residuals, and ``m`` estimates ``E[g]``. Selecting by this product sends each
+    coordinate at a rate proportional to ``|m|`` instead of re-sending the same large-``|m|``
+    coordinates while the rest wait for ``explore``.
+    """
+    return shard.m.abs() * (shard.age.to(torch.float32) + 1.0)
+
+
+RULES: dict[str, Rule] = {
+    "lazy": Rule(lazy),
+    "lazy_accum": Rule(lazy, accumulated_score),
+    "catchup_mean": Rule(catchup_mean),
+    "catchup_accum": Rule(catchup_mean, accumulated_score),
+}
 """Sparse-step rules by the name passed as ``update=``."""

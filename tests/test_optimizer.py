@@ -108,6 +108,7 @@ CONFIGS = {
     "no_ef": dict(sparsity=0.9, warmup_steps=2, error_feedback=False),
     "bf16": dict(sparsity=0.9, warmup_steps=2, dtype=torch.bfloat16),
     "set_to_none": dict(sparsity=0.9, warmup_steps=2, set_to_none=True),
+    "catchup_accum": dict(sparsity=0.9, warmup_steps=2, update="catchup_accum"),
 }
 
 

@@ -1,0 +1,220 @@
+"""Convergence ablation and the quality research (issue: quality at 99% sparsity).
+
+Trains the bundled byte-level GPT on the stdlib corpus once per variant -- dense sharded
+AdamS (a learning-rate sweep picks its lr), SCAPE rules and schedules at sparsity 0.9 and
+0.99 -- with the same seed, data order, token budget and LR schedule, and writes the final
+validation loss of each and its ratio to dense AdamS.
+
+**Why one process.** SCAPE with W ranks is, up to fp32 summation order, the same algorithm
+as SCAPE with one rank fed the global batch: the take is linear, so the ranks' residuals sum
+to the single-rank residual; the reduce-scatter (avg) delivers the global-batch gradient;
+masks are per block and do not depend on W (padding aside). The ablation therefore runs
+W = 1 with the global batch and spends the machine's cores on the model instead of on
+process overhead; ``--check-world 4`` re-runs one variant on 4 gloo ranks through
+``scape.comm`` to confirm the equivalence on this workload. (The raw-gradient top-k peer
+baseline is *not* W-invariant; it is measured by ``bench.compare`` on W ranks.)
+
+    python -m bench.convergence --steps 400 --out bench/results/convergence_400.json
+    python -m bench.convergence --smoke            # seconds; CI checks the schema
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import math
+import os
+import platform
+import sys
+import time
+from typing import Any
+
+import torch
+
+from bench.data import batch_at, eval_loss, load_corpus
+from bench.gpt import GPT, get_config, num_params, param_groups
+
+SCHEMA = "scape.convergence/1"
+
+
+@dataclasses.dataclass
+class Workload:
+    """The training setup every variant shares."""
+
+    model: str = "small"
+    """bench.gpt preset."""
+    steps: int = 400
+    """Optimizer steps."""
+    batch: int = 16
+    """Sequences per micro-batch (the global batch of W ranks)."""
+    accum: int = 1
+    """Micro-batches per step (a larger global batch at the same memory)."""
+    seq: int = 128
+    """Tokens per sequence."""
+    warmup_frac: float = 0.05
+    """Linear LR warm-up, as a fraction of steps; then cosine decay to 10%."""
+    weight_decay: float = 0.1
+    """On the weight matrices (norms and embeddings: 0)."""
+    seed: int = 0
+    """Model init and data order."""
+    eval_every: int = 100
+    """Validation loss every n steps (and at the end)."""
+    eval_seqs: int = 128
+    """Fixed held-out windows of the validation split."""
+    threads: int = 2
+    """torch threads."""
+
+
+def lr_at(step: int, base: float, w: Workload) -> float:
+    warm = max(1, int(w.warmup_frac * w.steps))
+    if step < warm:
+        return base * (step + 1) / warm
+    t = (step - warm) / max(1, w.steps - warm)
+    return base * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
+
+
+def build_optimizer(model: torch.nn.Module, variant: dict[str, Any], w: Workload,
+                    comm: Any = None) -> torch.optim.Optimizer:
+    import scape
+
+    kind = variant.get("optimizer", "scape")
+    kw = {k: v for k, v in variant.items() if k not in ("name", "optimizer", "lr")}
+    groups = param_groups(model, w.weight_decay)
+    for g in groups:
+        g.pop("name", None)
+    if kind == "adamw":
+        return scape.DistributedAdamW(groups, lr=variant["lr"], betas=(0.9, 0.95), comm=comm)
+    return scape.SCAPE(groups, lr=variant["lr"], comm=comm, **kw)
+
+
+def train(variant: dict[str, Any], w: Workload, corpus: Any, rank: int = 0, world: int = 1,
+          comm: Any = None, log: bool = True) -> dict[str, Any]:
+    """Train one variant; return its curves and final validation loss."""
+    torch.manual_seed(w.seed)
+    model = GPT(get_config(w.model), seed=w.seed)
+    opt = build_optimizer(model, variant, w, comm)
+    curve, train_curve = [], []
+    t0 = time.perf_counter()
+    diag: dict[str, float] = {}
+    for step in range(w.steps):
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, variant["lr"], w)
+        loss_acc = 0.0
+        for micro in range(w.accum):
+            x, y = batch_at(corpus.train, step * w.accum + micro, w.batch, w.seq, w.seed,
+                            rank, world)
+            loss = model.loss(x, y) / w.accum
+            loss.backward()
+            loss_acc += float(loss.detach())
+        opt.step()
+        opt.zero_grad()
+        train_curve.append(loss_acc)
+        if (step + 1) % w.eval_every == 0 or step + 1 == w.steps:
+            val = eval_loss(model, corpus.val, w.seq, n_seqs=w.eval_seqs)
+            curve.append((step + 1, val))
+            if log and rank == 0:
+                print(f"  [{variant['name']}] step {step + 1}/{w.steps} train {loss_acc:.3f} "
+                      f"val {val:.4f} ({time.perf_counter() - t0:.0f} s)", flush=True)
+    for d in getattr(opt, "diagnostics", [])[:1]:
+        diag = {k: float(v) for k, v in d.items()}
+    return {"variant": variant, "final_val_loss": curve[-1][1], "val_curve": curve,
+            "train_loss_last50": sum(train_curve[-50:]) / len(train_curve[-50:]),
+            "diagnostics": diag, "bytes_last_step": dict(opt.last_step.bytes),
+            "wall_s": time.perf_counter() - t0, "params": num_params(model)}
+
+
+DENSE_LRS = (1e-3, 3e-3, 1e-2)
+
+
+def variants(sparsities: list[float], names: list[str] | None,
+             warmup: int = 20) -> list[dict[str, Any]]:
+    """The ablation rows at the dense-sweep-chosen lr (filled in later)."""
+    rows: list[dict[str, Any]] = []
+    for sp in sparsities:
+        base = dict(sparsity=sp, warmup_steps=warmup, explore=0.1, update="lazy")
+        rows += [
+            dict(base, name=f"lazy@{sp}"),
+            dict(base, name=f"lazy-explore0@{sp}", explore=0.0),
+            dict(base, name=f"lazy-explore0.05@{sp}", explore=0.05),
+            dict(base, name=f"lazy-explore0.2@{sp}", explore=0.2),
+            dict(base, name=f"lazy-warmup10@{sp}", warmup_steps=10),
+            dict(base, name=f"lazy-warmup100@{sp}", warmup_steps=100),
+            dict(base, name=f"lazy-dense_every50@{sp}", dense_every=50),
+            dict(base, name=f"lazy-no_ef@{sp}", error_feedback=False),
+            dict(base, name=f"lazy_accum@{sp}", update="lazy_accum"),
+            dict(base, name=f"catchup_mean@{sp}", update="catchup_mean"),
+            dict(base, name=f"catchup_accum@{sp}", update="catchup_accum"),
+        ]
+    if names:
+        rows = [r for r in rows if r["name"].split("@")[0] in names]
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=400)
+    ap.add_argument("--accum", type=int, default=1, help="micro-batches per step")
+    ap.add_argument("--sparsity", type=float, nargs="+", default=[0.9, 0.99])
+    ap.add_argument("--variants", nargs="*", default=None,
+                    help="row names without @sparsity (default: all)")
+    ap.add_argument("--dense-lrs", type=float, nargs="+", default=list(DENSE_LRS))
+    ap.add_argument("--lr", type=float, default=None,
+                    help="skip the dense sweep and use this lr (the sweep's choice)")
+    ap.add_argument("--warmup", type=int, default=20, help="dense warm-up steps")
+    ap.add_argument("--model", default="small")
+    ap.add_argument("--data", default=None)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", default=None, help="JSON output (default bench/results/...)")
+    ap.add_argument("--smoke", action="store_true", help="tiny model, a few steps")
+    args = ap.parse_args(argv)
+
+    w = Workload(model=args.model, steps=args.steps, accum=args.accum, threads=args.threads,
+                 eval_every=max(1, args.steps // 4))
+    if args.smoke:
+        w = dataclasses.replace(w, model="tiny", steps=6, batch=4, seq=64, eval_every=3,
+                                eval_seqs=4)
+        args.dense_lrs, args.sparsity, args.warmup = [3e-3], [0.9], 2
+        args.variants = args.variants or ["lazy", "catchup_accum"]
+    torch.set_num_threads(w.threads)
+    corpus = load_corpus(args.data)
+    out = args.out or f"bench/results/convergence_{w.steps}_accum{w.accum}.json"
+    results: list[dict[str, Any]] = []
+    started = time.perf_counter()
+
+    lrs = [args.lr] if args.lr is not None else args.dense_lrs
+    dense_rows = []
+    for lr in lrs:
+        print(f"dense AdamS lr={lr:g}", flush=True)
+        r = train(dict(name=f"dense-adams-lr{lr:g}", sparsity=0.0, lr=lr), w, corpus)
+        dense_rows.append(r)
+    best = min(dense_rows, key=lambda r: r["final_val_loss"])
+    lr = best["variant"]["lr"]
+    results += dense_rows
+    for v in variants(args.sparsity, args.variants, args.warmup):
+        v["lr"] = lr
+        print(f"{v['name']} (lr {lr:g})", flush=True)
+        results.append(train(v, w, corpus))
+    dense_loss = best["final_val_loss"]
+    for r in results:
+        r["ratio_to_dense"] = r["final_val_loss"] / dense_loss
+    report = {"schema": SCHEMA, "workload": dataclasses.asdict(w), "dense_lr": lr,
+              "dense_val_loss": dense_loss, "command": " ".join(["python -m bench.convergence"]
+                                                               + (argv or sys.argv[1:])),
+              "machine": platform.processor() or platform.machine(),
+              "date": datetime.date.today().isoformat(),
+              "wall_s": time.perf_counter() - started, "results": results}
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(report, f, indent=1)
+    print(f"\n{'variant':34s} {'val loss':>9s} {'ratio':>7s}")
+    for r in results:
+        print(f"{r['variant']['name']:34s} {r['final_val_loss']:9.4f} "
+              f"{r['ratio_to_dense']:7.3f}")
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
