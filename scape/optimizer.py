@@ -30,6 +30,10 @@ from scape.profiling import phase
 from scape.rules import RULES, ShardState
 from scape.sharded import ShardedOptimizer, _Pending
 
+DIAG_FULL_EVERY = 10
+"""Diagnostics that read the whole shard (``updated_last_100``) refresh this often; the
+O(K) ones (``mask_overlap``, ``residual_norm``) every step."""
+
 
 def round_half_up(x: float) -> int:
     """``round`` with halves going up (Python's ``round`` goes to even)."""
@@ -237,7 +241,9 @@ class SCAPE(ShardedOptimizer):
                 age_blocks = s.age.view(mask_state.n_local, self.block_size)
                 diag = self.diagnostics[i]
                 diag["mask_overlap"] = (age_blocks.gather(1, idx.long()) == 0).float().mean()
-                diag["updated_last_100"] = (s.age < 100).float().mean()
+                if self._step % DIAG_FULL_EVERY == 0 or "updated_last_100" not in diag:
+                    # a pass over the whole shard: refreshed every DIAG_FULL_EVERY steps
+                    diag["updated_last_100"] = (s.age < 100).float().mean()
             full = torch.empty(mask_state.n_blocks, mask_state.k, dtype=torch.int16,
                                device=b.device)
             with phase("scape/mask_sync", b.device):
