@@ -1,0 +1,225 @@
+"""Low-bit value packing: quantize to 2, 4 or 8 bits with one scale per group, and back.
+
+The codebook is symmetric and uniform with ``L = 2**bits`` levels and no zero level:
+
+    level(q) = (2q - (L - 1)) / (L - 1)        q = 0 .. L-1,  level in [-1, 1]
+    2 bits:  -1, -1/3, +1/3, +1             4 bits: -1, -13/15, ..., +13/15, +1
+
+A value ``x`` of group ``g`` (``group`` consecutive values share one scale ``s_g``, normally
+the group's absmax, see :func:`absmax_scales`) gets the nearest code
+
+    t = x / s_g                    (0 when s_g == 0)
+    q = clamp(floor((t + 1) * (L - 1) / 2 + 1/2), 0, L - 1)      (NaN -> 0)
+
+and decodes to ``s_g * (2q - (L - 1)) / (L - 1)``. The rounding error is at most
+``s_g / (L - 1)``. Without a zero level every code carries a sign, which suits the inputs this
+is made for: the top-k entries of a block by magnitude (SparseLoCo's pseudo-gradients), all
+far from zero relative to the block's absmax.
+
+Packing is global, little-endian within the byte: code ``i`` goes to byte ``i // P`` at bit
+``(i % P) * bits``, ``P = 8 // bits`` codes per byte; ``n`` values take ``ceil(n * bits / 8)``
+bytes and unused high bits of the last byte are zero.
+
+Triton kernels: ``_pack_kernel`` has one program per ``BYTE_TILE`` output bytes and loads a
+``[BYTE_TILE, P]`` tile of values (each with its group's scale), so the ``P`` codes of a byte
+are combined in registers; it reads ``n * v`` bytes of values (``v`` their element size) plus
+``4 * n / group`` of scales, and writes ``ceil(n * bits / 8)``. ``_unpack_kernel`` has one
+program per ``TILE`` values; it reads the packed bytes and scales and writes ``4 * n``.
+Divisions are correctly rounded (``div_rn``) so both paths agree with the torch reference
+bit for bit.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._checks import FLOAT_DTYPES, check_numel, check_same_device, check_tensor, use_triton
+
+PACK_BITS = (2, 4, 8)
+"""Code widths :func:`pack_values` accepts."""
+
+
+def packed_nbytes(n: int, bits: int) -> int:
+    """Bytes that ``n`` codes of ``bits`` bits take: ``ceil(n * bits / 8)``."""
+    return (n * bits + 7) // 8
+
+
+# --------------------------------------------------------------------------- Triton kernels
+@triton.jit
+def _pack_kernel(p_values, p_scales, p_out, n, n_bytes, group, BITS: tl.constexpr,
+                 PER_BYTE: tl.constexpr, BYTE_TILE: tl.constexpr):
+    LEVELS: tl.constexpr = (1 << BITS) - 1
+    byte = tl.program_id(0).to(tl.int64) * BYTE_TILE + tl.arange(0, BYTE_TILE)
+    slot = tl.arange(0, PER_BYTE)
+    pos = byte[:, None] * PER_BYTE + slot[None, :]
+    m_pos = pos < n
+    b_x = tl.load(p_values + pos, mask=m_pos, other=0.0).to(tl.float32)
+    b_s = tl.load(p_scales + pos // group, mask=m_pos, other=1.0).to(tl.float32)
+    safe_s = tl.where(b_s == 0.0, 1.0, b_s)
+    t = tl.where(b_s == 0.0, 0.0, tl.div_rn(b_x, safe_s))
+    u = tl.floor((t + 1.0) * (0.5 * LEVELS) + 0.5)
+    m_num = u == u  # NaN -> code 0 (checked before the clamp, whose NaN rule is unspecified)
+    u = tl.minimum(tl.maximum(u, 0.0), LEVELS * 1.0)
+    q = tl.where(m_num & m_pos, u, 0.0).to(tl.int32)  # unused high bits stay zero
+    b_byte = tl.sum(q << (slot[None, :] * BITS), axis=1)
+    tl.store(p_out + byte, b_byte.to(tl.uint8), mask=byte < n_bytes)
+
+
+@triton.jit
+def _unpack_kernel(p_packed, p_scales, p_out, n, group, BITS: tl.constexpr,
+                   PER_BYTE: tl.constexpr, TILE: tl.constexpr):
+    LEVELS: tl.constexpr = (1 << BITS) - 1
+    pos = tl.program_id(0).to(tl.int64) * TILE + tl.arange(0, TILE)
+    m_pos = pos < n
+    b_byte = tl.load(p_packed + pos // PER_BYTE, mask=m_pos, other=0).to(tl.int32)
+    q = (b_byte >> ((pos % PER_BYTE) * BITS).to(tl.int32)) & LEVELS
+    b_s = tl.load(p_scales + pos // group, mask=m_pos, other=0.0).to(tl.float32)
+    level = (2 * q - LEVELS).to(tl.float32)
+    tl.store(p_out + pos, tl.div_rn(b_s * level, LEVELS * 1.0), mask=m_pos)
+
+
+def pack_config(bits: int) -> dict[str, int]:
+    """Launch settings: 1024 values per program (``1024 / P`` bytes), 4 warps."""
+    per_byte = 8 // bits
+    return {"BYTE_TILE": 1024 // per_byte, "TILE": 1024, "num_warps": 4}
+
+
+def pack_triton(values: torch.Tensor, scales: torch.Tensor, group: int, bits: int,
+                out: torch.Tensor) -> torch.Tensor:
+    """Launch :func:`_pack_kernel` (arguments already validated)."""
+    n, n_bytes = values.numel(), out.numel()
+    cfg = pack_config(bits)
+    grid = (triton.cdiv(n_bytes, cfg["BYTE_TILE"]),)
+    _pack_kernel[grid](values, scales, out, n, n_bytes, group, BITS=bits,
+                       PER_BYTE=8 // bits, BYTE_TILE=cfg["BYTE_TILE"],
+                       num_warps=cfg["num_warps"])
+    return out
+
+
+def unpack_triton(packed: torch.Tensor, scales: torch.Tensor, group: int, bits: int,
+                  out: torch.Tensor) -> torch.Tensor:
+    """Launch :func:`_unpack_kernel` (arguments already validated)."""
+    n = out.numel()
+    cfg = pack_config(bits)
+    _unpack_kernel[(triton.cdiv(n, cfg["TILE"]),)](
+        packed, scales, out, n, group, BITS=bits, PER_BYTE=8 // bits, TILE=cfg["TILE"],
+        num_warps=cfg["num_warps"])
+    return out
+
+
+# --------------------------------------------------------------------------- torch reference
+def pack_ref(values: torch.Tensor, scales: torch.Tensor, group: int, bits: int,
+             out: torch.Tensor | None = None) -> torch.Tensor:
+    """Torch implementation of :func:`pack_values` (the CPU path and the ground truth)."""
+    levels = (1 << bits) - 1
+    per_byte = 8 // bits
+    n = values.numel()
+    x = values.float().view(-1, group)
+    s = scales.float().view(-1, 1)
+    t = torch.where(s == 0, torch.zeros_like(x), x / torch.where(s == 0, 1.0, s))
+    u = torch.floor((t + 1.0) * (0.5 * levels) + 0.5).clamp(0.0, float(levels))
+    q = torch.where(torch.isnan(u), 0.0, u).to(torch.int32).view(-1)
+    n_bytes = packed_nbytes(n, bits)
+    q = torch.cat([q, q.new_zeros(n_bytes * per_byte - n)]).view(n_bytes, per_byte)
+    shifts = torch.arange(per_byte, dtype=torch.int32, device=q.device) * bits
+    packed = (q << shifts).sum(dim=1).to(torch.uint8)
+    if out is None:
+        return packed
+    out.copy_(packed)
+    return out
+
+
+def unpack_ref(packed: torch.Tensor, scales: torch.Tensor, group: int, bits: int, n: int,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+    """Torch implementation of :func:`unpack_values`."""
+    levels = (1 << bits) - 1
+    per_byte = 8 // bits
+    shifts = torch.arange(per_byte, dtype=torch.int32, device=packed.device) * bits
+    q = ((packed.to(torch.int32).view(-1, 1) >> shifts) & levels).view(-1)[:n]
+    level = (2 * q - levels).to(torch.float32)
+    s = scales.float().repeat_interleave(group)
+    vals = (s * level) / float(levels)
+    if out is None:
+        return vals
+    out.copy_(vals)
+    return out
+
+
+# --------------------------------------------------------------------------- public API
+def _check_bits(bits: object) -> int:
+    if isinstance(bits, bool) or not isinstance(bits, int):
+        raise TypeError(f"bits must be an int; got {type(bits).__name__}")
+    if bits not in PACK_BITS:
+        raise ValueError(f"bits must be one of {PACK_BITS}; got {bits}")
+    return bits
+
+
+def _check_groups(n: int, scales: object, group: object) -> None:
+    if isinstance(group, bool) or not isinstance(group, int):
+        raise TypeError(f"group must be an int; got {type(group).__name__}")
+    if group < 1 or n % group:
+        raise ValueError(f"group must be a positive divisor of the value count {n}; "
+                         f"got {group}")
+    check_tensor("scales", scales, dtypes=(torch.float32,), ndim=1)
+    check_numel("scales", scales, n // group, f"one per group of {group} values")  # type: ignore[arg-type]
+
+
+def absmax_scales(values: torch.Tensor, group: int) -> torch.Tensor:
+    """fp32 scale per group of ``group`` consecutive values: the group's largest ``|x|``."""
+    check_tensor("values", values, dtypes=FLOAT_DTYPES, ndim=1)
+    if isinstance(group, bool) or not isinstance(group, int) or group < 1 \
+            or values.numel() % group:
+        raise ValueError(f"group must be a positive divisor of the value count "
+                         f"{values.numel()}; got {group!r}")
+    return values.float().view(-1, group).abs().amax(dim=1)
+
+
+def pack_values(values: torch.Tensor, scales: torch.Tensor, group: int, bits: int, *,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """Quantize ``values`` (1-D float, length ``n``, a multiple of ``group``) to ``bits``-bit
+    codes with one fp32 scale per ``group`` values, packed ``8 // bits`` to a byte.
+
+    Returns (or writes into ``out``) a uint8 tensor of ``ceil(n * bits / 8)`` bytes. The
+    codebook and the rounding rule are in the module docstring.
+    """
+    bits = _check_bits(bits)
+    check_tensor("values", values, dtypes=FLOAT_DTYPES, ndim=1)
+    n = values.numel()
+    if n == 0:
+        raise ValueError("values must not be empty")
+    _check_groups(n, scales, group)
+    check_same_device(values=values, scales=scales)
+    n_bytes = packed_nbytes(n, bits)
+    if out is not None:
+        check_tensor("out", out, dtypes=(torch.uint8,), ndim=1)
+        check_numel("out", out, n_bytes, f"ceil({n} * {bits} / 8) packed bytes")
+        check_same_device(values=values, out=out)
+    if use_triton(values):
+        if out is None:
+            out = torch.empty(n_bytes, dtype=torch.uint8, device=values.device)
+        return pack_triton(values, scales, group, bits, out)
+    return pack_ref(values, scales, group, bits, out)
+
+
+def unpack_values(packed: torch.Tensor, scales: torch.Tensor, group: int, bits: int, n: int,
+                  *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Decode ``n`` values packed by :func:`pack_values` into fp32:
+    ``value_i = scale_g * (2 q_i - (L - 1)) / (L - 1)`` with ``g = i // group``."""
+    bits = _check_bits(bits)
+    check_tensor("packed", packed, dtypes=(torch.uint8,), ndim=1)
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"n must be a positive int (the number of values); got {n!r}")
+    check_numel("packed", packed, packed_nbytes(n, bits), f"ceil({n} * {bits} / 8) bytes")
+    _check_groups(n, scales, group)
+    check_same_device(packed=packed, scales=scales)
+    if out is not None:
+        check_tensor("out", out, dtypes=(torch.float32,), ndim=1)
+        check_numel("out", out, n, "one per value")
+        check_same_device(packed=packed, out=out)
+    if use_triton(packed):
+        if out is None:
+            out = torch.empty(n, dtype=torch.float32, device=packed.device)
+        return unpack_triton(packed, scales, group, bits, out)
+    return unpack_ref(packed, scales, group, bits, n, out)
