@@ -5,6 +5,7 @@ CUDA tensors run the Triton kernels, CPU tensors the torch implementations in
 """
 
 from .moments import adams_dense_, adams_sparse_, adamw_dense_
+from .pack import absmax_scales, pack_values, packed_nbytes, unpack_values
 from .sparse import gather, scatter_, take_
 from .stats import grad_stats
 from .topk import blockwise_topk
@@ -18,4 +19,8 @@ __all__ = [
     "adams_sparse_",
     "adamw_dense_",
     "grad_stats",
+    "pack_values",
+    "unpack_values",
+    "packed_nbytes",
+    "absmax_scales",
 ]
