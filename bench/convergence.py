@@ -146,6 +146,8 @@ def variants(sparsities: list[float], names: list[str] | None,
             dict(base, name=f"lazy_accum@{sp}", update="lazy_accum"),
             dict(base, name=f"catchup_mean@{sp}", update="catchup_mean"),
             dict(base, name=f"catchup_accum@{sp}", update="catchup_accum"),
+            dict(base, name=f"catchup_sqrt@{sp}", update="catchup_sqrt"),
+            dict(base, name=f"catchup_sqrt_accum@{sp}", update="catchup_sqrt_accum"),
         ]
     if names:
         rows = [r for r in rows if r["name"].split("@")[0] in names]

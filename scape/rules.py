@@ -76,7 +76,7 @@ def _flat(idx: torch.Tensor, block_size: int) -> torch.Tensor:
 
 
 def catchup_mean(shard: ShardState, g: torch.Tensor, idx: torch.Tensor, block_size: int,
-                 hp: dict, model_out: torch.Tensor) -> None:
+                 hp: dict, model_out: torch.Tensor, power: float = 1.0) -> None:
     """Replay the ``a + 1`` steps a coordinate missed, from their mean gradient.
 
     With error feedback, ``g`` is the sum of the ``a + 1`` per-step gradients accumulated
@@ -84,7 +84,9 @@ def catchup_mean(shard: ShardState, g: torch.Tensor, idx: torch.Tensor, block_si
     as if it had arrived on each of those steps: the moment decays by ``beta1^(a+1)`` toward
     the mean, and the parameter moves ``a + 1`` normalized steps (each ``m / (sqrt(v)+eps)``
     evaluated at the end state), with the lazy weight decay. Torch ops on the compact
-    coordinates (research rule, not fused).
+    coordinates (research rule, not fused). ``power`` < 1 moves ``(a + 1)^power`` steps
+    instead (Adam's square-root batch-size scaling: the mean of ``a + 1`` gradients is a
+    larger batch, not ``a + 1`` independent steps).
     """
     flat = _flat(idx, block_size)
     a1 = shard.age[flat].to(torch.float32) + 1.0
@@ -96,12 +98,18 @@ def catchup_mean(shard: ShardState, g: torch.Tensor, idx: torch.Tensor, block_si
     m_new = decay1 * m_old + (1.0 - decay1) * mean
     p = shard.master[flat]
     p = p * torch.pow(torch.full_like(a1, 1.0 - lr * hp["weight_decay"]), a1)
-    p = p - lr * a1 * m_new / (v.sqrt() + eps)
+    p = p - lr * a1.pow(power) * m_new / (v.sqrt() + eps)
     shard.master[flat] = p
     shard.m[flat] = m_new
     shard.age += 1
     shard.age[flat] = 0
     model_out.copy_(p)
+
+
+def catchup_sqrt(shard: ShardState, g: torch.Tensor, idx: torch.Tensor, block_size: int,
+                 hp: dict, model_out: torch.Tensor) -> None:
+    """:func:`catchup_mean` moving ``sqrt(a + 1)`` normalized steps."""
+    catchup_mean(shard, g, idx, block_size, hp, model_out, power=0.5)
 
 
 def accumulated_score(shard: ShardState) -> torch.Tensor:
@@ -120,5 +128,7 @@ RULES: dict[str, Rule] = {
     "lazy_accum": Rule(lazy, accumulated_score),
     "catchup_mean": Rule(catchup_mean),
     "catchup_accum": Rule(catchup_mean, accumulated_score),
+    "catchup_sqrt": Rule(catchup_sqrt),
+    "catchup_sqrt_accum": Rule(catchup_sqrt, accumulated_score),
 }
 """Sparse-step rules by the name passed as ``update=``."""

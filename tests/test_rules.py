@@ -58,25 +58,27 @@ def test_rule_invariants(name, k):
     assert score.shape == s.m.shape and bool(score.isfinite().all())
 
 
-def _catchup_f64(p, m, a, g, hp):
+def _catchup_f64(p, m, a, g, hp, power=1.0):
     a1 = a.double() + 1
     mean = g.double() / a1
     v = hp["beta2"] * m.double() ** 2 + (1 - hp["beta2"]) * mean ** 2
     d = hp["beta1"] ** a1
     m_new = d * m.double() + (1 - d) * mean
     p_new = p.double() * (1 - hp["lr"] * hp["weight_decay"]) ** a1
-    p_new = p_new - hp["lr"] * a1 * m_new / (v.sqrt() + hp["eps"])
+    p_new = p_new - hp["lr"] * a1 ** power * m_new / (v.sqrt() + hp["eps"])
     return p_new, m_new
 
 
-def test_catchup_mean_matches_float64():
+@pytest.mark.parametrize("power", [1.0, 0.5], ids=["mean", "sqrt"])
+def test_catchup_matches_float64(power):
     s = _shard(4)
     before = _clone(s)
     idx = _mask(5, 3, 20)
     flat = _flat(idx)
     g = torch.randn(60, generator=torch.Generator().manual_seed(6))
-    catchup_mean(s, g, idx, BLOCK, HP, nan_empty(60))
-    p_ref, m_ref = _catchup_f64(before.master[flat], before.m[flat], before.age[flat], g, HP)
+    catchup_mean(s, g, idx, BLOCK, HP, nan_empty(60), power=power)
+    p_ref, m_ref = _catchup_f64(before.master[flat], before.m[flat], before.age[flat], g, HP,
+                                power)
     torch.testing.assert_close(s.master[flat].double(), p_ref, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(s.m[flat].double(), m_ref, rtol=1e-5, atol=1e-7)
 
