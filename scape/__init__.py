@@ -6,9 +6,11 @@ baseline on the same buffers. Kernels live in ``scape.kernels``, communication i
 """
 
 from scape.adamw import DistributedAdamW
+from scape.diloco import DiLoCo
 from scape.optimizer import SCAPE
 from scape.rules import RULES
+from scape.sparseloco import SparseLoCo
 from scape.step_info import StepInfo
 
-__all__ = ["SCAPE", "DistributedAdamW", "RULES", "StepInfo"]
+__all__ = ["SCAPE", "DistributedAdamW", "RULES", "StepInfo", "SparseLoCo", "DiLoCo"]
 __version__ = "0.1.0"
