@@ -533,6 +533,7 @@ def summarize(cfg: RunConfig, ranks: list[dict[str, Any]], wall_s: float) -> dic
     ops = sorted({op for r in r0["records"] for op in r["bytes"]})
     bytes_steady = {op: _median([float(r["bytes"].get(op, 0)) for r in steady]) or 0.0
                     for op in ops}
+    bytes_steady = {op: b for op, b in bytes_steady.items() if b}
     bytes_mean = {op: sum(r["bytes"].get(op, 0) for r in r0["records"]) / cfg.steps
                   for op in ops}
     val_curve = [list(v) for v in r0["val_curve"]]
