@@ -10,8 +10,9 @@ as SCAPE with one rank fed the global batch: the take is linear, so the ranks' r
 to the single-rank residual; the reduce-scatter (avg) delivers the global-batch gradient;
 masks are per block and do not depend on W (padding aside). The ablation therefore runs
 W = 1 with the global batch and spends the machine's cores on the model instead of on
-process overhead; ``--check-world 4`` re-runs one variant on 4 gloo ranks through
-``scape.comm`` to confirm the equivalence on this workload. (The raw-gradient top-k peer
+process overhead; ``--check-world 4`` re-runs the first sparse variant on 4 gloo ranks
+through :mod:`bench.runner` (same data, schedule and seed) to confirm the equivalence on
+this workload. (The raw-gradient top-k peer
 baseline is *not* W-invariant; it is measured by ``bench.compare`` on W ranks.)
 
     python -m bench.convergence --steps 400 --out bench/results/convergence_400.json
@@ -24,7 +25,6 @@ import argparse
 import dataclasses
 import datetime
 import json
-import math
 import os
 import platform
 import sys
@@ -35,6 +35,7 @@ import torch
 
 from bench.data import batch_at, eval_loss, load_corpus
 from bench.gpt import GPT, get_config, num_params, param_groups
+from bench.runner import RunConfig, lr_at, run
 
 SCHEMA = "scape.convergence/1"
 
@@ -67,12 +68,18 @@ class Workload:
     """torch threads."""
 
 
-def lr_at(step: int, base: float, w: Workload) -> float:
-    warm = max(1, int(w.warmup_frac * w.steps))
-    if step < warm:
-        return base * (step + 1) / warm
-    t = (step - warm) / max(1, w.steps - warm)
-    return base * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
+def run_config(variant: dict[str, Any], w: Workload, world: int) -> RunConfig:
+    """The same run as :func:`train` for :mod:`bench.runner` on ``world`` ranks."""
+    kw = {k: v for k, v in variant.items() if k not in ("name", "optimizer", "lr", "sparsity")}
+    sparse = variant.get("sparsity", 0.0) > 0
+    return RunConfig(optimizer="scape" if sparse else "adams",
+                     sparsity=variant.get("sparsity", 0.0), optimizer_kwargs=kw,
+                     model=w.model, world=world, steps=w.steps, batch=w.batch // world,
+                     grad_accum=w.accum, seq=w.seq, lr=variant["lr"],
+                     warmup_frac=w.warmup_frac, weight_decay=w.weight_decay, seed=w.seed,
+                     eval_every=w.eval_every, eval_seqs=w.eval_seqs, threads=1,
+                     log_every=max(1, w.steps // 4), timeout_s=7200.0,
+                     name=variant["name"] + f"@W{world}")
 
 
 def build_optimizer(model: torch.nn.Module, variant: dict[str, Any], w: Workload,
@@ -95,12 +102,13 @@ def train(variant: dict[str, Any], w: Workload, corpus: Any, rank: int = 0, worl
     torch.manual_seed(w.seed)
     model = GPT(get_config(w.model), seed=w.seed)
     opt = build_optimizer(model, variant, w, comm)
+    schedule = run_config(variant, w, 1)  # the runner's LR schedule, shared
     curve, train_curve = [], []
     t0 = time.perf_counter()
     diag: dict[str, float] = {}
     for step in range(w.steps):
         for g in opt.param_groups:
-            g["lr"] = lr_at(step, variant["lr"], w)
+            g["lr"] = lr_at(step, schedule)
         loss_acc = 0.0
         for micro in range(w.accum):
             x, y = batch_at(corpus.train, step * w.accum + micro, w.batch, w.seq, w.seed,
@@ -170,6 +178,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default=None, help="JSON output (default bench/results/...)")
     ap.add_argument("--smoke", action="store_true", help="tiny model, a few steps")
+    ap.add_argument("--check-world", type=int, default=0,
+                    help="re-run the first sparse variant on this many gloo ranks (bench.runner)"
+                         " and report its final loss beside the single-process one")
     args = ap.parse_args(argv)
 
     w = Workload(model=args.model, steps=args.steps, accum=args.accum, threads=args.threads,
@@ -198,6 +209,20 @@ def main(argv: list[str] | None = None) -> int:
         v["lr"] = lr
         print(f"{v['name']} (lr {lr:g})", flush=True)
         results.append(train(v, w, corpus))
+    world_check = None
+    sparse_rows = [r for r in results if r["variant"].get("sparsity", 0) > 0]
+    if args.check_world and sparse_rows:
+        first = sparse_rows[0]
+        print(f"{first['variant']['name']} on {args.check_world} ranks", flush=True)
+        multi = run(run_config(first["variant"], w, args.check_world))
+        world_check = {"variant": first["variant"]["name"], "world": args.check_world,
+                       "single_process_val_loss": first["final_val_loss"],
+                       "multi_rank_val_loss": multi["final_val_loss"],
+                       "multi_rank_val_curve": multi["val_curve"],
+                       "relative_difference": multi["final_val_loss"] / first["final_val_loss"]
+                       - 1.0}
+        print(f"  W=1 {first['final_val_loss']:.4f}  W={args.check_world} "
+              f"{multi['final_val_loss']:.4f}", flush=True)
     dense_loss = best["final_val_loss"]
     for r in results:
         r["ratio_to_dense"] = r["final_val_loss"] / dense_loss
@@ -206,7 +231,8 @@ def main(argv: list[str] | None = None) -> int:
                                                                + (argv or sys.argv[1:])),
               "machine": platform.processor() or platform.machine(),
               "date": datetime.date.today().isoformat(),
-              "wall_s": time.perf_counter() - started, "results": results}
+              "wall_s": time.perf_counter() - started, "world_check": world_check,
+              "results": results}
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     with open(out, "w") as f:
         json.dump(report, f, indent=1)

@@ -26,7 +26,7 @@ def _run(module: str, out: str, *extra: str) -> dict:
 
 
 def test_convergence_smoke(tmp_path):
-    rep = _run("bench.convergence", str(tmp_path / "c.json"))
+    rep = _run("bench.convergence", str(tmp_path / "c.json"), "--check-world", "2")
     assert rep["schema"] == "scape.convergence/1"
     names = [r["variant"]["name"] for r in rep["results"]]
     assert names[0].startswith("dense-adams") and any(n.startswith("lazy@") for n in names)
@@ -35,6 +35,9 @@ def test_convergence_smoke(tmp_path):
         assert [s for s, _ in r["val_curve"]][-1] == rep["workload"]["steps"]
     sparse = [r for r in rep["results"] if r["variant"].get("sparsity", 0) > 0]
     assert sparse and all(sum(r["bytes_last_step"].values()) > 0 for r in sparse)
+    # the single-process ablation equals the same run on 2 gloo ranks (the module's premise)
+    check = rep["world_check"]
+    assert check["world"] == 2 and abs(check["relative_difference"]) < 1e-3, check
 
 
 def test_step_compute_smoke(tmp_path):
