@@ -19,11 +19,13 @@ it cast to the model dtype, and ``delta`` is measured from that cast value, so a
 rounding is not mistaken for training progress. The parameters themselves are left where they
 are (the inner optimizer owns them); a sync copies them in and out of the flat buffers.
 
-DiLoCo's outer step: ``mean = all_reduce(delta, avg)``, then Nesterov momentum SGD on
-``theta_synced`` (``torch.optim.SGD``'s rule: ``buf = mu * buf + mean``;
-``update = mean + mu * buf`` with Nesterov, else ``buf``; ``theta -= outer_lr * update``).
-Bytes per sync: one all-reduce of ``4 * N`` bytes (``comm.stats`` payload; a ring all-reduce
-puts ``2 (W-1)/W * 4N`` on each rank's link); nothing between syncs.
+DiLoCo's outer step: the average of the pseudo-gradients, as a ring all-reduce does it
+(reduce-scatter with ``avg``, then all-gather of the averaged shards, so every rank holds the
+same bytes), then Nesterov momentum SGD on ``theta_synced`` (``torch.optim.SGD``'s rule:
+``buf = mu * buf + mean``; ``update = mean + mu * buf`` with Nesterov, else ``buf``;
+``theta -= outer_lr * update``). Bytes per sync in ``comm.stats``: ``4 * N_pad`` for the
+reduce-scatter plus ``4 * N_pad`` for the all-gather (``N_pad``: ``N`` padded to a multiple of
+``W``), the same count as one dense fp32 sharded step; nothing between syncs.
 """
 
 from __future__ import annotations
@@ -70,7 +72,7 @@ class LocalSGD(torch.optim.Optimizer):
     _name = "local SGD"
 
     def __init__(self, params: Any, inner: Any, *, sync_every: int, comm: Communicator | None,
-                 align: int, fields: dict[str, Any]) -> None:
+                 align: int, fields: dict[str, Any], align_to_world: bool = False) -> None:
         error: Exception | None = None
         trainable: list[torch.Tensor] = []
         given: list[torch.Tensor] = []
@@ -109,6 +111,8 @@ class LocalSGD(torch.optim.Optimizer):
         for n in self.numels:
             self.offsets.append(self.offsets[-1] + n)
         self.numel = self.offsets[-1]
+        if align_to_world:
+            align *= self.comm.world_size
         self.n_pad = -(-self.numel // align) * align
         self.synced = torch.zeros(self.n_pad, dtype=torch.float32, device=self.device)
         """theta_synced, the outer master weights (fp32, padded)."""
@@ -260,7 +264,7 @@ class DiLoCo(LocalSGD):
         nesterov: Nesterov momentum (needs ``outer_momentum > 0``).
         comm: a :class:`scape.comm.Communicator` (default ``TorchCommunicator()``).
 
-    Bytes per sync: one ``4 * N``-byte all-reduce (``comm.stats`` payload).
+    Bytes per sync: ``8 * N_pad`` (an fp32 reduce-scatter and all-gather, ``comm.stats``).
     """
 
     _name = "DiLoCo"
@@ -270,7 +274,7 @@ class DiLoCo(LocalSGD):
                  comm: Communicator | None = None) -> None:
         super().__init__(params, inner, sync_every=sync_every, comm=comm, align=1,
                          fields=dict(outer_lr=outer_lr, outer_momentum=outer_momentum,
-                                     nesterov=nesterov))
+                                     nesterov=nesterov), align_to_world=True)
         self.outer_lr = float(outer_lr)
         self.outer_momentum = float(outer_momentum)
         self.nesterov = nesterov
@@ -293,7 +297,10 @@ class DiLoCo(LocalSGD):
 
     def _outer_sync(self) -> tuple[bool, int]:
         mean = self._delta
-        self.comm.all_reduce(mean, op="avg").wait()
+        shard = torch.empty(self.n_pad // self.comm.world_size, dtype=torch.float32,
+                            device=self.device)
+        self.comm.reduce_scatter(shard, mean, op="avg").wait()
+        self.comm.all_gather(mean, shard).wait()
         mu = self.outer_momentum
         if mu > 0:
             self.momentum.mul_(mu).add_(mean)

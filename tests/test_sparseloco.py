@@ -180,11 +180,16 @@ def _nesterov_body(rank: int, world: int) -> float:
     ref_opt = torch.optim.SGD([ref], lr=0.7, momentum=0.9, nesterov=True)
     worst = 0.0
     for step in range(1, 13):
-        before = int(comm.stats["all_reduce"]["bytes"])
+        before = {op: int(v["bytes"]) for op, v in comm.stats.items()}
         _train_step(m, opt, step, rank)
+        sent = {op: int(v["bytes"]) - before[op] for op, v in comm.stats.items()
+                if int(v["bytes"]) != before[op]}
         if step % 3:
+            assert sent == {}
             continue
-        assert int(comm.stats["all_reduce"]["bytes"]) - before == 4 * ref.numel()
+        n_pad = math.ceil(ref.numel() / world) * world  # an fp32 ring all-reduce of N_pad
+        assert sent == {"reduce_scatter": 4 * n_pad, "all_gather": 4 * n_pad}
+        assert opt.last_step.bytes == sent and opt.last_step.dense
         delta = ref.detach() - local[0]
         every = torch.empty(world * delta.numel())
         comm.all_gather(every, delta).wait()
