@@ -1,0 +1,176 @@
+"""Communication volume: bytes per step per rank of dense sharded AdamS and SCAPE for
+GPT-345M, Llama-500M and Llama-1.8B at W = 8, 32, 256, from the library's own code path.
+
+Those models cannot be allocated here (1.8B parameters are 7 GB per fp32 buffer), so the
+numbers come from the library in two pieces, neither of which re-types the byte formula:
+
+1. **Bytes per synchronized coordinate, measured.** ``scape.SCAPE`` runs real steps on a
+   small proxy (bf16 parameters, bf16 gradients on the wire -- the paper's setting) with a
+   :class:`bench.nullcomm.NullCommunicator` playing rank 0 of W (it counts bytes exactly as
+   the real backends do). ``opt.last_step.bytes`` of a steady dense step and of a steady
+   sparse step, divided by the optimizer's own ``N_pad`` and ``K`` (``bucket.n_pad``,
+   ``mask.n_blocks * mask.k``), gives bytes per coordinate for each collective, plus the
+   fixed 8-byte scalar all-reduce. A second, larger proxy checks the scaling: its measured
+   bytes must equal the prediction from the first proxy's per-coordinate bytes.
+2. **Sizes of the real models, from the library's layout code.** ``scape.buffers.Bucket``
+   builds the flat buffers of a parameter of the model's size on the ``meta`` device (no
+   memory), which gives ``N_pad`` (padding to a multiple of W*B); ``K = N_pad / B * k_b``
+   with ``k_b`` from ``scape.optimizer.block_budget``.
+
+Printed beside: the DESIGN formula (``bench.projection.bytes_per_step``: dense
+``N*(b_g+b_p)``, SCAPE ``K*(b_g+b_p+2)``), which leaves out the dense padding and the scalar
+all-reduce.
+
+    python -m bench.comm_volume          # writes bench/results/comm_volume.json
+    python -m bench.comm_volume --smoke  # W=8 only, GPT-345M only
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+from typing import Any
+
+import torch
+
+import scape
+from bench.nullcomm import NullCommunicator
+from bench.projection import MODELS, bytes_per_step
+from scape.buffers import Bucket
+from scape.optimizer import block_budget
+
+SCHEMA = "scape.comm_volume/1"
+WORLDS = (8, 32, 256)
+SPARSITIES = (0.0, 0.9, 0.99)
+BLOCK_SIZE = 4096
+EXPLORE = 0.1
+WIRE_DTYPE = torch.bfloat16
+"""Model and gradient-wire dtype of the measurement (b_g = b_p = 2, as in the paper)."""
+
+
+def _proxy_params(n: int, seed: int) -> list[torch.nn.Parameter]:
+    """Three bf16 tensors totalling ``n`` elements (uneven sizes, so padding is exercised)."""
+    gen = torch.Generator().manual_seed(seed)
+    sizes = [n // 2, n // 3, n - n // 2 - n // 3]
+    return [torch.nn.Parameter(torch.randn(s, generator=gen).to(WIRE_DTYPE)) for s in sizes]
+
+
+def measure_step_bytes(n: int, world: int, sparsity: float, steps: int = 3,
+                       seed: int = 0) -> dict[str, Any]:
+    """Run ``steps`` SCAPE steps (the first dense) as rank 0 of ``world`` on a proxy of ``n``
+    parameters; return the last step's bytes by op and the optimizer's N_pad and K."""
+    params = _proxy_params(n, seed)
+    comm = NullCommunicator(world, 0)
+    opt = scape.SCAPE(params, lr=1e-3, sparsity=sparsity, warmup_steps=1,
+                      block_size=BLOCK_SIZE, explore=EXPLORE, grad_comm_dtype=WIRE_DTYPE,
+                      comm=comm)
+    gen = torch.Generator().manual_seed(seed + 1)
+    for _ in range(steps):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen).to(p.dtype)
+        opt.step()
+    (bucket,) = opt.buckets
+    (mask,) = opt.masks
+    info = opt.last_step
+    return {"n": n, "n_pad": bucket.n_pad,
+            "k": None if mask is None else mask.n_blocks * mask.k,
+            "dense": info.dense, "bytes": dict(info.bytes)}
+
+
+def per_coordinate(measured: dict[str, Any]) -> dict[str, float]:
+    """Bytes per synchronized coordinate for each collective; the scalar all-reduce stays a
+    constant (it does not grow with the model)."""
+    count = measured["n_pad"] if measured["dense"] else measured["k"]
+    return {op: (b if op == "all_reduce" else b / count) for op, b in measured["bytes"].items()}
+
+
+def predict(costs: dict[str, float], count: int) -> dict[str, int]:
+    return {op: int(round(c if op == "all_reduce" else c * count)) for op, c in costs.items()}
+
+
+def layout(n: int, world: int, sparsity: float) -> tuple[int, int | None]:
+    """``(N_pad, K)`` of one bucket of ``n`` parameters, from the library's Bucket on meta."""
+    p = torch.nn.Parameter(torch.empty(n, device="meta", dtype=WIRE_DTYPE))
+    bucket = Bucket([p], 0, world, 0, BLOCK_SIZE)
+    if sparsity == 0.0:
+        return bucket.n_pad, None
+    k_b, _ = block_budget(sparsity, BLOCK_SIZE, EXPLORE)
+    return bucket.n_pad, bucket.n_pad // BLOCK_SIZE * k_b
+
+
+def calibrate(world: int, sparsity: float) -> dict[str, Any]:
+    """Per-coordinate bytes from a proxy of ~1.5 W*B parameters, checked on one of ~3.2 W*B."""
+    unit = world * BLOCK_SIZE
+    small = measure_step_bytes(unit + unit // 2 + 77, world, sparsity)
+    costs = per_coordinate(small)
+    large = measure_step_bytes(3 * unit + unit // 5 + 5, world, sparsity, seed=1)
+    count = large["n_pad"] if large["dense"] else large["k"]
+    predicted = predict(costs, count)
+    return {"costs": costs, "proxy": small, "check": large, "check_predicted": predicted,
+            "check_ok": predicted == large["bytes"]}
+
+
+def report(models: list[str], worlds: list[int]) -> dict[str, Any]:
+    rows, calibrations = [], []
+    for world in worlds:
+        for sp in SPARSITIES:
+            cal = calibrate(world, sp)
+            calibrations.append({"world": world, "sparsity": sp, **cal})
+            for name in models:
+                n = MODELS[name].n_params()
+                n_pad, k = layout(n, world, sp)
+                by_op = predict(cal["costs"], n_pad if k is None else k)
+                total = sum(by_op.values())
+                formula = bytes_per_step(n, world, sp, grad_bytes=2, param_bytes=2,
+                                         block_size=BLOCK_SIZE)
+                rows.append({"model": name, "n_params": n, "world": world, "sparsity": sp,
+                             "n_pad": n_pad, "k": k, "bytes_by_op": by_op,
+                             "bytes_per_step": total, "design_formula": formula,
+                             "vs_formula": total / formula})
+    for r in rows:
+        dense = next(d for d in rows if d["model"] == r["model"] and d["world"] == r["world"]
+                     and d["sparsity"] == 0.0)
+        r["ratio_to_dense"] = r["bytes_per_step"] / dense["bytes_per_step"]
+    return {"schema": SCHEMA, "date": datetime.date.today().isoformat(),
+            "wire": "bf16 parameters, bf16 gradients", "block_size": BLOCK_SIZE,
+            "explore": EXPLORE, "rows": rows, "calibration": calibrations}
+
+
+def _mb(b: float) -> str:
+    return f"{b / 1e6:,.2f}"
+
+
+def print_report(rep: dict[str, Any]) -> None:
+    ok = all(c["check_ok"] for c in rep["calibration"])
+    print(f"per-coordinate bytes measured on proxies; scaling check on a second proxy: "
+          f"{'exact for every (W, sparsity)' if ok else 'FAILED'}")
+    print(f"{'model':11} {'W':>4} {'sparsity':>8} {'MB/step/rank':>13} {'DESIGN MB':>10} "
+          f"{'vs DESIGN':>9} {'vs dense':>10}")
+    for r in rep["rows"]:
+        vs_dense = f"1/{1 / r['ratio_to_dense']:.1f}" if r["sparsity"] else "1"
+        print(f"{r['model']:11} {r['world']:>4} {r['sparsity']:>8g} "
+              f"{_mb(r['bytes_per_step']):>13} {_mb(r['design_formula']):>10} "
+              f"{r['vs_formula']:>9.5f} {vs_dense:>10}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default="bench/results/comm_volume.json")
+    ap.add_argument("--smoke", action="store_true", help="W=8 and GPT-345M only")
+    args = ap.parse_args(argv)
+    models = ["GPT-345M"] if args.smoke else list(MODELS)
+    worlds = [8] if args.smoke else list(WORLDS)
+    torch.set_num_threads(1)
+    rep = report(models, worlds)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(rep, f, indent=1)
+    print_report(rep)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
