@@ -63,7 +63,8 @@ from typing import Any
 
 import torch
 
-OPTIMIZERS = ("adamw_ddp", "dist_adamw", "adams", "scape", "topk", "compute_only")
+OPTIMIZERS = ("adamw_ddp", "dist_adamw", "adams", "scape", "topk", "compute_only",
+              "sparseloco", "diloco")  # the last two: bench.local_sgd_opts
 """Values of ``RunConfig.optimizer``."""
 
 SCHEMA = "scape.run/1"
@@ -335,7 +336,11 @@ def _build(cfg: RunConfig, rank: int, world: int) -> tuple[Any, Any, Any, torch.
         comm = _timed_communicator(TorchCommunicator(timeout=cfg.timeout_s))
     kw = dict(cfg.optimizer_kwargs)
     opt: Any
-    if cfg.optimizer == "dist_adamw":
+    if cfg.optimizer in ("sparseloco", "diloco"):
+        from bench.local_sgd_opts import build_local_sgd
+
+        opt = build_local_sgd(cfg.optimizer, groups, cfg, comm)
+    elif cfg.optimizer == "dist_adamw":
         opt = scape.DistributedAdamW(groups, lr=cfg.lr, betas=cfg.betas, comm=comm)
     elif cfg.optimizer == "adams":
         opt = scape.SCAPE(groups, lr=cfg.lr, betas=cfg.betas, sparsity=0.0, comm=comm, **kw)

@@ -1,0 +1,150 @@
+"""Local-step optimizers in the benchmarks: ``scape.SparseLoCo`` and ``scape.DiLoCo``.
+
+:func:`build_local_sgd` is what :mod:`bench.runner` calls for ``RunConfig.optimizer`` in
+``("sparseloco", "diloco")``. The inner optimizer is ``torch.optim.AdamW`` over the runner's
+param groups (the same lr, betas and per-group weight decay as the ``adamw_ddp`` row); the
+runner's LR schedule edits ``opt.param_groups``, which are the inner optimizer's. The outer
+hyperparameters come from ``RunConfig.optimizer_kwargs`` (``sync_every``, ``density``,
+``value_bits``, ``ef_decay``, ``outer_lr``, ``block_size`` for SparseLoCo; ``sync_every``,
+``outer_lr``, ``outer_momentum``, ``nesterov`` for DiLoCo).
+
+Bytes per step: these optimizers communicate only every ``H = sync_every`` steps, so the
+per-step median the runner reports for other optimizers is 0 here; the comparison below uses
+the mean over all steps (``bytes_per_step_mean_all_steps``), which is the average over a sync
+period when ``steps`` is a multiple of every ``H`` (the final validation loss is then also
+taken right after a sync, on the synchronized model).
+
+Running this module compares them with dense sharded AdamS and SCAPE on one workload and
+token budget (``bench.compare``'s defaults, with ``steps`` rounded to a multiple of 32):
+
+    python -m bench.local_sgd_opts --out out/local_sgd         # ~15 min on 2 cores
+    python -m bench.local_sgd_opts --smoke --out /tmp/ls        # seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import time
+from typing import Any
+
+import torch
+
+LOCAL_SGD = ("sparseloco", "diloco")
+"""Values of ``RunConfig.optimizer`` built here."""
+
+
+def build_local_sgd(name: str, groups: list[dict[str, Any]], cfg: Any, comm: Any) -> Any:
+    """``scape.SparseLoCo`` or ``scape.DiLoCo`` with an AdamW inner optimizer on ``groups``."""
+    import scape
+
+    if name not in LOCAL_SGD:
+        raise ValueError(f"build_local_sgd: name must be one of {LOCAL_SGD}, got {name!r}")
+    kw = dict(cfg.optimizer_kwargs)
+    inner = torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=1e-8)
+    params = [p for g in groups for p in g["params"]]
+    if name == "sparseloco":
+        return scape.SparseLoCo(params, inner, comm=comm, **kw)
+    return scape.DiLoCo(params, inner, comm=comm, **kw)
+
+
+# --------------------------------------------------------------------------- the comparison
+ROWS: tuple[tuple[str, str, dict[str, Any]], ...] = (
+    ("adams", "adams", {}),
+    ("scape-0.99", "scape", {}),
+    ("diloco-H8", "diloco", {"sync_every": 8}),
+    ("diloco-H32", "diloco", {"sync_every": 32}),
+    ("sparseloco-H8-d1%-2bit", "sparseloco",
+     {"sync_every": 8, "density": 0.01, "value_bits": 2}),
+    ("sparseloco-H8-d3%-2bit", "sparseloco",
+     {"sync_every": 8, "density": 0.03, "value_bits": 2}),
+    ("sparseloco-H32-d1%-2bit", "sparseloco",
+     {"sync_every": 32, "density": 0.01, "value_bits": 2}),
+    ("sparseloco-H32-d3%-2bit", "sparseloco",
+     {"sync_every": 32, "density": 0.03, "value_bits": 2}),
+)
+"""(label, RunConfig.optimizer, optimizer_kwargs) of every row."""
+
+
+def configs(workload: dict[str, Any], rows: tuple = ROWS, timeout_s: float = 1800.0) -> list:
+    from bench.runner import RunConfig
+
+    w = workload
+    skip = min(w["steps"] - 1, w["warmup_steps"] + 2)
+    out = []
+    for label, opt, kw in rows:
+        kwargs = dict(kw)
+        sparsity = 0.0
+        if opt == "scape":
+            sparsity, kwargs = 0.99, {"warmup_steps": w["warmup_steps"], **kwargs}
+        out.append(RunConfig(optimizer=opt, sparsity=sparsity, optimizer_kwargs=kwargs,
+                             model=w["model"], world=w["world"], steps=w["steps"],
+                             batch=w["batch"], seq=w["seq"], lr=w["lr"],
+                             eval_every=w["eval_every"], eval_seqs=w["eval_seqs"],
+                             timing_skip=skip, log_every=0, timeout_s=timeout_s, name=label))
+    return out
+
+
+def table(runs: list[dict[str, Any]]) -> str:
+    """Markdown table: loss, bytes per step (mean over all steps), ratios to dense AdamS."""
+    from bench.report import fmt, markdown_table
+
+    dense = next((r for r in runs if r["name"] == "adams"), None)
+    rows = []
+    for r in runs:
+        b = r["bytes_per_step_mean_all_steps"]
+        ratio = b / dense["bytes_per_step_mean_all_steps"] if dense and b else None
+        loss_ratio = (r["final_val_loss"] / dense["final_val_loss"]
+                      if dense and r["final_val_loss"] else None)
+        rows.append([r["name"], fmt(r["final_val_loss"]), fmt(loss_ratio, ".3f"),
+                     fmt(int(b)), "-" if not ratio else f"1/{1 / ratio:.0f}",
+                     fmt(r["wall_s"], ".0f")])
+    return markdown_table(["optimizer", "final val loss", "vs dense AdamS",
+                           "bytes/step/rank (mean)", "vs dense", "run wall (s)"], rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from bench.compare import DEFAULTS, SMOKE
+    from bench.runner import run
+
+    ap = argparse.ArgumentParser(description="SparseLoCo and DiLoCo beside AdamS and SCAPE")
+    ap.add_argument("--out", default="out/local_sgd")
+    ap.add_argument("--steps", type=int, default=None, help="default: compare's, rounded "
+                                                            "up to a multiple of 32")
+    ap.add_argument("--only", nargs="+", default=None, help="labels of ROWS to run")
+    ap.add_argument("--smoke", action="store_true", help="tiny model, W=2, 8 steps")
+    args = ap.parse_args(argv)
+    w = dict(SMOKE if args.smoke else DEFAULTS)
+    if args.smoke:
+        w["steps"] = 8
+        rows = ROWS[:3] + ROWS[4:5]  # one sync of H = 8 in the 8 steps
+    else:
+        w["steps"] = args.steps or -(-w["steps"] // 32) * 32
+        rows = ROWS
+    if args.only:
+        rows = tuple(r for r in rows if r[0] in args.only)
+    w["eval_every"] = w["steps"]
+    os.makedirs(args.out, exist_ok=True)
+    started = time.perf_counter()
+    runs = []
+    for cfg in configs(w, rows):
+        print(f"running {cfg.label} ({cfg.steps} steps, W={cfg.world})", flush=True)
+        runs.append(run(cfg))
+        with open(os.path.join(args.out, f"{cfg.label}.json"), "w") as f:
+            json.dump(runs[-1], f, indent=1)
+    md = (f"W={w['world']}, model {w['model']} ({runs[0]['params']:,} parameters), "
+          f"{w['steps']} steps of {w['batch']}x{w['seq']} tokens per rank, lr {w['lr']:g}, "
+          f"unshaped loopback, {datetime.date.today().isoformat()}, {os.cpu_count()} CPUs; "
+          f"wall {time.perf_counter() - started:.0f} s\n\n{table(runs)}\n")
+    with open(os.path.join(args.out, "report.md"), "w") as f:
+        f.write(md)
+    with open(os.path.join(args.out, "report.json"), "w") as f:
+        json.dump({"workload": w, "runs": runs}, f, indent=1)
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
