@@ -392,3 +392,19 @@ def test_load_state_dict_rejects_other_optimizers_and_layouts():
     sd["sync_every"] = 8
     with pytest.raises(ValueError, match="state dict sync_every 8 != 32"):
         sl.load_state_dict(sd)
+
+
+def test_bench_runner_trains_sparseloco_and_counts_bytes_per_sync_period():
+    """bench.runner with optimizer="sparseloco": 2 syncs in 4 steps on the tiny GPT; the mean
+    bytes per step are the record formula times W over the sync period."""
+    from bench.runner import RunConfig, run
+
+    cfg = RunConfig(optimizer="sparseloco", model="tiny", world=2, steps=4, batch=1, seq=32,
+                    eval_every=4, eval_seqs=2, log_every=0, timeout_s=120,
+                    optimizer_kwargs={"sync_every": 2, "density": 0.01, "value_bits": 2})
+    res = run(cfg)
+    n_pad = math.ceil(res["params"] / 4096) * 4096
+    n_blocks, k = n_pad // 4096, round(0.01 * 4096)
+    record = 4 * n_blocks + 2 * n_blocks * k + math.ceil(n_blocks * k * 2 / 8)
+    assert res["bytes_per_step_mean_all_steps"] == 2 * record / 2
+    assert math.isfinite(res["final_val_loss"]) and res["dense_steps"] == 0
