@@ -16,29 +16,19 @@ import torch
 _CHUNK = 1 << 18  # elements per cache-sized slice of the dense element-wise updates
 
 
-def _keep_count(scores: torch.Tensor, eligible: torch.Tensor | None, k: int) -> torch.Tensor:
-    """Boolean mask of the ``k`` largest ``scores`` per row (only ``eligible`` entries may be
-    taken), ties to the lower column. ``scores`` must have no NaN.
+def _unique_keys(order: torch.Tensor, block_size: int) -> torch.Tensor:
+    """int64 keys, one per entry of ``order`` (int32 ``[n_blocks, block_size]``, larger is
+    better), all distinct within a row and ordered like ``order`` with ties going to the
+    lower column: ``order * block_size + (block_size - 1 - column)``."""
+    rank_of_column = torch.arange(block_size - 1, -1, -1, dtype=torch.int64,
+                                  device=order.device)
+    return order.to(torch.int64).mul_(block_size).add_(rank_of_column)
 
-    The k-th largest eligible value ``t`` of each row is exact whatever ``torch.topk`` does
-    with ties; every eligible entry above ``t`` is kept, and the lowest-column entries equal
-    to ``t`` fill the rest (a running count over the row).
-    """
-    if eligible is not None:
-        low = torch.finfo(scores.dtype).min if scores.dtype.is_floating_point \
-            else torch.iinfo(scores.dtype).min
-        scores = scores.masked_fill(~eligible, low)
-    t = torch.topk(scores, k, dim=1, largest=True, sorted=False).values.amin(1, keepdim=True)
-    above = scores > t
-    tie = scores == t
-    if eligible is not None:
-        above &= eligible
-        tie &= eligible
-    need = k - above.sum(1, keepdim=True, dtype=torch.int32)
-    if scores.device.type != "cpu" or bool((tie.sum(1, keepdim=True, dtype=torch.int32)
-                                            > need).any()):
-        tie &= tie.cumsum(1, dtype=torch.int32) <= need  # keep the lowest-column ties
-    return above | tie
+
+def _top_columns(keys: torch.Tensor, k: int) -> torch.Tensor:
+    """Columns of the ``k`` largest (distinct) keys per row: exact, whatever the algorithm
+    ``torch.topk`` uses, because no two keys of a row are equal."""
+    return torch.topk(keys, k, dim=1, largest=True, sorted=False).indices
 
 
 def blockwise_topk(score: torch.Tensor, k: int, block_size: int, *,
@@ -46,26 +36,31 @@ def blockwise_topk(score: torch.Tensor, k: int, block_size: int, *,
     """Per block, the ``k - k_explore`` offsets of largest ``|score|`` and then the
     ``k_explore`` offsets of largest ``age`` among the rest; int16 ``[n_blocks, k]``, sorted.
 
-    NaN ranks below every number (it becomes -1 before ``|.|`` ranking, below +0.0); -0.0
-    equals 0.0; ties go to the lower offset. Sorting comes free: ``nonzero`` of the selection
-    mask lists positions in row-major, hence ascending, order.
+    Ranking is on the order-preserving integer image of ``|score|`` (the float's bits with
+    the sign cleared: non-negative floats order like their bits, and -0.0 becomes 0.0); NaN
+    maps to -1, below every number. Each key is made unique by appending the reversed
+    column, so ties go to the lower offset and one ``torch.topk`` per pass is exact; the
+    already chosen entries are pushed below every key before the ``age`` pass. Only the
+    ``[n_blocks, k]`` result is sorted.
     """
     n_blocks = score.numel() // block_size
     x = score.view(n_blocks, block_size)
     if x.dtype != torch.float32:
         x = x.float()  # exact for bf16/fp16
-    mag = x.abs()
-    mag.masked_fill_(mag.isnan(), -1.0)
+    bits = x.view(torch.int32) & 0x7FFFFFFF  # |x| as ordered integers; NaN > +inf here
+    bits = torch.where(bits > 0x7F800000, -1, bits)
     k_top = k - k_explore
-    chosen: torch.Tensor | None = _keep_count(mag, None, k_top) if k_top > 0 else None
+    parts = []
+    if k_top > 0:
+        parts.append(_top_columns(_unique_keys(bits, block_size), k_top))
     if k_explore > 0:
         assert age is not None  # validated by the public function
-        a = age.view(n_blocks, block_size)
-        explore = _keep_count(a, None if chosen is None else ~chosen, k_explore)
-        chosen = explore if chosen is None else chosen | explore
-    assert chosen is not None
-    cols = chosen.nonzero()[:, 1]
-    return cols.to(torch.int16).view(n_blocks, k)
+        keys = _unique_keys(age.view(n_blocks, block_size), block_size)
+        if parts:
+            keys.scatter_(1, parts[0], torch.iinfo(torch.int64).min)
+        parts.append(_top_columns(keys, k_explore))
+    cols = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+    return cols.sort(dim=1).values.to(torch.int16)
 
 
 def _flat(idx: torch.Tensor, block_size: int) -> torch.Tensor:
