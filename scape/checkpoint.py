@@ -25,6 +25,7 @@ _SHARD_TENSORS = ("master", "m", "age")
 
 
 def sharded_state(opt: Any, extra_per_bucket: list[dict[str, Any]]) -> dict[str, Any]:
+    opt.check_usable()  # never save the state of a step whose collectives failed
     buckets = []
     for b, s, extra in zip(opt.buckets, opt.shards, extra_per_bucket):
         entry = {"group": b.group, "dtype": str(b.dtype), "numel": b.numel, "n_pad": b.n_pad,

@@ -22,10 +22,10 @@ from typing import Any
 
 import torch
 
-from scape import config
+from scape import config, faults
 from scape.agreement import agree, digest, tensor_digest
 from scape.buffers import Bucket
-from scape.comm import Communicator, TorchCommunicator
+from scape.comm import CommError, Communicator, TorchCommunicator
 from scape.kernels import grad_stats
 from scape.profiling import phase
 from scape.step_info import StepInfo
@@ -68,6 +68,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.block_size = block_size
         self.max_grad_norm = max_grad_norm
         self.grad_comm_dtype = grad_comm_dtype
+        self._faults: faults.FaultPlan | None = None
+        self._failed: CommError | None = None
+        try:
+            self._faults = faults.from_env(self.comm.rank)  # SCAPE_FAULT, read once
+        except ValueError as e:
+            error = error or e
         fields = self._fingerprint(groups_trainable, global_fields, error is None)
         agree(self.comm, fields, error, what=self._name)
 
@@ -176,15 +182,32 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def finish_param_sync(self) -> None:
         """Wait for in-flight parameter all-gathers and write them into the model."""
+        self.check_usable()
         if not self._pending:
             return
         device = self._pending[0].bucket.device
-        with phase("scape/all_gather", device):
-            for pend in self._pending:
-                pend.work.wait()
-                if pend.finish is not None:
-                    pend.finish()
+        try:
+            with phase("scape/all_gather", device):
+                for pend in self._pending:
+                    pend.work.wait()
+                    if pend.finish is not None:
+                        pend.finish()
+        except CommError as e:
+            self._failed = e
+            raise
         self._pending.clear()
+
+    def check_usable(self) -> None:
+        """Raise ``RuntimeError`` if a collective of an earlier step failed.
+
+        After a ``CommError`` the ranks cannot know which collectives the others completed:
+        the shard may hold an update whose parameter all-gather never arrived. Such an
+        optimizer refuses ``step()``, ``state_dict()`` and checkpoint saves; restart the job
+        and load the last complete checkpoint.
+        """
+        if self._failed is not None:
+            raise RuntimeError(f"{self._name}: unusable after a failed collective ({self._failed})"
+                               "; restart and load the last complete checkpoint")
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Keeps the gradient buffers: ``step()`` already consumed what it sent.
@@ -206,8 +229,16 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 "eps": g["eps"], "weight_decay": g["weight_decay"]}
 
     # ------------------------------------------------------------------- the step
-    @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        self.check_usable()
+        try:
+            return self._run_step(closure)
+        except CommError as e:  # the group is broken: refuse to go on from a partial step
+            self._failed = e
+            raise
+
+    @torch.no_grad()
+    def _run_step(self, closure: Callable[[], float] | None) -> float | None:
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -220,6 +251,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         before = {k: int(v["bytes"]) for k, v in self.comm.stats.items()}
         for b in self.buckets:
             b.fold_stray_grads()
+        fault = self._faults
+        if fault is not None:
+            fault.fire(self._step, "grad", self)
         dense_flags = [self._is_dense(i) for i in range(len(self.buckets))]
         device = self.buckets[0].device
 
@@ -232,6 +266,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             local[1] += s[1]
         # 2. take + reduce-scatter, every bucket in flight together
         received: list[tuple[torch.Tensor, Any]] = []
+        if fault is not None:
+            fault.fire(self._step, "reduce_scatter", self)
         for i, b in enumerate(self.buckets):
             if dense_flags[i]:
                 with phase("scape/reduce_scatter", device):
@@ -251,6 +287,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 self.last_sync[i] = {"g": g.clone() if self.max_grad_norm else g,
                                      "mask": self._step_mask(i, dense_flags[i])}
         # 3. one scalar all-reduce: norm of the synchronized gradient + non-finite count
+        # (the update below starts only after every gradient collective of the step completed)
+        if fault is not None:
+            fault.fire(self._step, "all_reduce", self)
         self.comm.all_reduce(local, op="sum").wait()
         grad_norm = local[0].sqrt()
         skipped = bool(local[1] > 0)
@@ -262,7 +301,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 coef = (self.max_grad_norm / (grad_norm + 1e-6)).clamp(max=1.0)
                 for g in gs:
                     g.mul_(coef)
+            if fault is not None:
+                fault.fire(self._step, "all_gather", self)
             self._apply(gs, dense_flags)
+            if fault is not None:
+                fault.fire(self._step, "mask_sync", self)
             self._after_update(dense_flags)
         if not self._attached:
             self.finish_param_sync()
