@@ -7,10 +7,12 @@ baseline on the same buffers. Kernels live in ``scape.kernels``, communication i
 
 from scape.adamw import DistributedAdamW
 from scape.diloco import DiLoCo
+from scape.io import CheckpointError, load_checkpoint, save_checkpoint
 from scape.optimizer import SCAPE
 from scape.rules import RULES
 from scape.sparseloco import SparseLoCo
 from scape.step_info import StepInfo
 
-__all__ = ["SCAPE", "DistributedAdamW", "RULES", "StepInfo", "SparseLoCo", "DiLoCo"]
+__all__ = ["SCAPE", "DistributedAdamW", "RULES", "StepInfo", "SparseLoCo", "DiLoCo",
+           "save_checkpoint", "load_checkpoint", "CheckpointError"]
 __version__ = "0.1.0"
