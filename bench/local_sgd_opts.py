@@ -15,9 +15,10 @@ period when ``steps`` is a multiple of every ``H`` (the final validation loss is
 taken right after a sync, on the synchronized model).
 
 Running this module compares them with dense sharded AdamS and SCAPE on one workload and
-token budget (``bench.compare``'s defaults, with ``steps`` rounded to a multiple of 32):
+token budget (:data:`WORKLOAD`: ``bench.compare``'s workload as it was measured for the
+README, with ``steps`` a multiple of 32):
 
-    python -m bench.local_sgd_opts --out out/local_sgd         # ~15 min on 2 cores
+    python -m bench.local_sgd_opts --out out/local_sgd         # 249 s measured on 2 cores
     python -m bench.local_sgd_opts --smoke --out /tmp/ls        # seconds
 """
 
@@ -34,6 +35,10 @@ import torch
 
 LOCAL_SGD = ("sparseloco", "diloco")
 """Values of ``RunConfig.optimizer`` built here."""
+
+WORKLOAD = dict(model="small", world=4, steps=64, batch=4, seq=128, lr=3e-3, warmup_steps=20,
+                eval_every=64, eval_seqs=64)
+"""The workload of the README's table (SCAPE's dense warm-up: ``warmup_steps``)."""
 
 
 def build_local_sgd(name: str, groups: list[dict[str, Any]], cfg: Any, comm: Any) -> Any:
@@ -115,22 +120,21 @@ def table(runs: list[dict[str, Any]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from bench.compare import DEFAULTS, SMOKE
+    from bench.compare import SMOKE
     from bench.runner import run
 
     ap = argparse.ArgumentParser(description="SparseLoCo and DiLoCo beside AdamS and SCAPE")
     ap.add_argument("--out", default="out/local_sgd")
-    ap.add_argument("--steps", type=int, default=None, help="default: compare's, rounded "
-                                                            "up to a multiple of 32")
+    ap.add_argument("--steps", type=int, default=None, help="default: WORKLOAD's (64)")
     ap.add_argument("--only", nargs="+", default=None, help="labels of ROWS to run")
     ap.add_argument("--smoke", action="store_true", help="tiny model, W=2, 8 steps")
     args = ap.parse_args(argv)
-    w = dict(SMOKE if args.smoke else DEFAULTS)
+    w = dict(SMOKE if args.smoke else WORKLOAD)
     if args.smoke:
         w["steps"] = 8
         rows = ROWS[:3] + ROWS[4:5]  # one sync of H = 8 in the 8 steps
     else:
-        w["steps"] = args.steps or -(-w["steps"] // 32) * 32
+        w["steps"] = args.steps or w["steps"]
         rows = ROWS
     if args.only:
         rows = tuple(r for r in rows if r[0] in args.only)
