@@ -34,29 +34,40 @@ OPTIMIZERS = {
 }
 
 
-def time_steps(model_name: str, world: int, kind: str, steps: int, warm: int) -> dict:
+def build(model_name: str, world: int, kind: str) -> tuple[torch.optim.Optimizer, int]:
     model = GPT(get_config(model_name), seed=0)
     comm = NullCommunicator(world, 0)
     if kind == "dist_adamw":
-        opt: torch.optim.Optimizer = scape.DistributedAdamW(model.parameters(), lr=1e-3,
-                                                            comm=comm)
-    else:
-        opt = scape.SCAPE(model.parameters(), lr=1e-3, comm=comm, **OPTIMIZERS[kind])
+        return scape.DistributedAdamW(model.parameters(), lr=1e-3, comm=comm), num_params(model)
+    return scape.SCAPE(model.parameters(), lr=1e-3, comm=comm, **OPTIMIZERS[kind]), \
+        num_params(model)
+
+
+def time_steps(model_name: str, world: int, kinds: list[str], steps: int,
+               warm: int) -> list[dict]:
+    """Median step time of each optimizer, their steps interleaved round-robin so that a
+    change in machine load hits all of them alike (the ratios are what we report)."""
+    built = {k: build(model_name, world, k) for k in kinds}
     gen = torch.Generator().manual_seed(0)
-    grads = [torch.randn(b.n_pad, generator=gen) * 1e-2 for b in opt.buckets]  # type: ignore[attr-defined]
-    times = []
+    grads = {k: [torch.randn(b.n_pad, generator=gen) * 1e-2 for b in opt.buckets]  # type: ignore[attr-defined]
+             for k, (opt, _) in built.items()}
+    times: dict[str, list[float]] = {k: [] for k in kinds}
     for i in range(warm + steps):
-        for b, g in zip(opt.buckets, grads):  # type: ignore[attr-defined]
-            b.grad_flat.copy_(g)
-        t0 = time.perf_counter()
-        opt.step()
-        dt = time.perf_counter() - t0
-        if i >= warm:
-            times.append(dt)
-    info = opt.last_step  # type: ignore[attr-defined]
-    return {"optimizer": kind, "median_s": statistics.median(times), "min_s": min(times),
-            "dense_step": info.dense, "bytes": sum(info.bytes.values()),
-            "params": num_params(model)}
+        for k, (opt, _) in built.items():
+            for b, g in zip(opt.buckets, grads[k]):  # type: ignore[attr-defined]
+                b.grad_flat.copy_(g)
+            t0 = time.perf_counter()
+            opt.step()
+            dt = time.perf_counter() - t0
+            if i >= warm:
+                times[k].append(dt)
+    rows = []
+    for k, (opt, n) in built.items():
+        info = opt.last_step  # type: ignore[attr-defined]
+        rows.append({"optimizer": k, "median_s": statistics.median(times[k]),
+                     "min_s": min(times[k]), "dense_step": info.dense,
+                     "bytes": sum(info.bytes.values()), "params": n})
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -71,12 +82,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.smoke:
         args.model, args.world, args.steps = "tiny", 2, 3
     torch.set_num_threads(args.threads)
-    rows = []
-    for kind in [*OPTIMIZERS, "dist_adamw"]:
-        r = time_steps(args.model, args.world, kind, args.steps, warm=3)
-        rows.append(r)
-        print(f"{kind:12s} median {r['median_s'] * 1e3:8.2f} ms  min {r['min_s'] * 1e3:8.2f} ms"
-              f"  bytes/step {r['bytes']:>10d}  dense={r['dense_step']}", flush=True)
+    rows = time_steps(args.model, args.world, [*OPTIMIZERS, "dist_adamw"], args.steps, warm=3)
+    for r in rows:
+        print(f"{r['optimizer']:12s} median {r['median_s'] * 1e3:8.2f} ms  "
+              f"min {r['min_s'] * 1e3:8.2f} ms  bytes/step {r['bytes']:>10d}  "
+              f"dense={r['dense_step']}", flush=True)
     dense = rows[0]["median_s"]
     for r in rows:
         r["ratio_to_dense_adams"] = r["median_s"] / dense

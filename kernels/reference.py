@@ -22,7 +22,7 @@ def _unique_keys(order: torch.Tensor, block_size: int) -> torch.Tensor:
     lower column: ``order * block_size + (block_size - 1 - column)``."""
     rank_of_column = torch.arange(block_size - 1, -1, -1, dtype=torch.int64,
                                   device=order.device)
-    return order.to(torch.int64).mul_(block_size).add_(rank_of_column)
+    return torch.add(rank_of_column, order, alpha=block_size)  # one int64 pass
 
 
 def _top_columns(keys: torch.Tensor, k: int) -> torch.Tensor:
@@ -48,7 +48,7 @@ def blockwise_topk(score: torch.Tensor, k: int, block_size: int, *,
     if x.dtype != torch.float32:
         x = x.float()  # exact for bf16/fp16
     bits = x.view(torch.int32) & 0x7FFFFFFF  # |x| as ordered integers; NaN > +inf here
-    bits = torch.where(bits > 0x7F800000, -1, bits)
+    bits.masked_fill_(bits > 0x7F800000, -1)
     k_top = k - k_explore
     parts = []
     if k_top > 0:
