@@ -113,7 +113,8 @@ def calibrate(world: int, sparsity: float) -> dict[str, Any]:
 
 
 def report(models: list[str], worlds: list[int]) -> dict[str, Any]:
-    rows, calibrations = [], []
+    rows: list[dict[str, Any]] = []
+    calibrations: list[dict[str, Any]] = []
     for world in worlds:
         for sp in SPARSITIES:
             cal = calibrate(world, sp)

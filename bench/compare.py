@@ -177,7 +177,7 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 def build_table(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per run with its ratios to dense AdamS (loss, bytes) and to compute-only."""
     by = {r["name"]: r for r in runs}
-    dense, floor = by.get("adams"), by.get("compute_only")
+    dense, floor = by.get("adams", {}), by.get("compute_only", {})
     rows = []
     for r in runs:
         rows.append({
@@ -185,13 +185,13 @@ def build_table(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "sparsity": r["config"]["sparsity"],
             "final_val_loss": r["final_val_loss"],
             "val_ratio_to_adams": _ratio(r["final_val_loss"],
-                                         dense and dense["final_val_loss"]),
+                                         dense.get("final_val_loss")),
             "bytes_per_step": r["bytes_per_step_total"],
             "bytes_ratio_to_adams": _ratio(r["bytes_per_step_total"],
-                                           dense and dense["bytes_per_step_total"]),
+                                           dense.get("bytes_per_step_total")),
             "median_step_s": r["median_step_s"],
             "step_ratio_to_compute_only": _ratio(r["median_step_s"],
-                                                 floor and floor["median_step_s"]),
+                                                 floor.get("median_step_s")),
             "median_compute_s": r["median_compute_s"],
         })
     return rows
@@ -281,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=900.0, help="deadline per run (s)")
     args = ap.parse_args(argv)
 
-    w = dict(SMOKE if args.smoke else DEFAULTS)
+    w: dict[str, Any] = dict(SMOKE if args.smoke else DEFAULTS)
     for key in ("world", "steps", "model", "batch"):
         if getattr(args, key) is not None:
             w[key] = getattr(args, key)

@@ -28,7 +28,7 @@ optimizer step; data sampling and evaluation are outside it):
 - ``step_s``: wall time of the step;
 - ``wait_s``: time spent blocked on communication: inside ``Work.wait()`` of every collective
   (scape optimizers and top-k, through a timing wrapper around the communicator), or for DDP
-  the launch-to-completion time of each gradient bucket's all-reduce (an upper bound of the
+  the union of the gradient buckets' launch-to-completion intervals (an upper bound of the
   exposed time, since an early bucket overlaps with the rest of backward);
 - ``compute_s = step_s - wait_s``: the local work;
 - bytes: the step's payload bytes by collective, from ``comm.stats`` (the library's counters,
@@ -279,13 +279,26 @@ def _timed_communicator(inner: Any) -> Any:
 
 
 class _DDPCounter:
-    """Bytes and all-reduce time of DDP's gradient buckets, through a comm hook."""
+    """Bytes and all-reduce time of DDP's gradient buckets, through a comm hook.
+
+    ``wait_s`` is the length of the union of the buckets' launch-to-completion intervals
+    (buckets overlap each other, so their durations do not add up).
+    """
 
     def __init__(self, world: int) -> None:
         self.world = world
         self.bytes = 0
         self.calls = 0
-        self.wait_s = 0.0
+        self.intervals: list[tuple[float, float]] = []
+
+    @property
+    def wait_s(self) -> float:
+        total, end = 0.0, float("-inf")
+        for a, b in sorted(self.intervals):
+            if b > end:
+                total += b - max(a, end)
+                end = b
+        return total
 
     @property
     def stats(self) -> dict[str, dict[str, int]]:
@@ -302,7 +315,7 @@ class _DDPCounter:
         fut = dist.all_reduce(buf, async_op=True).get_future()
 
         def done(f: Any) -> torch.Tensor:
-            self.wait_s += time.perf_counter() - t0
+            self.intervals.append((t0, time.perf_counter()))
             return f.value()[0]
 
         return fut.then(done)
