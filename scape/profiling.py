@@ -2,7 +2,8 @@
 
 The names are part of the public contract (users filter traces by them): ``scape/take``,
 ``scape/reduce_scatter``, ``scape/update``, ``scape/mask``, ``scape/all_gather``,
-``scape/mask_sync``.
+``scape/mask_sync`` (SCAPE and DistributedAdamW), and ``scape/outer_sync`` (the sync of
+SparseLoCo and DiLoCo).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from collections.abc import Iterator
 import torch
 
 PHASES = ("scape/take", "scape/reduce_scatter", "scape/update", "scape/mask",
-          "scape/all_gather", "scape/mask_sync")
+          "scape/all_gather", "scape/mask_sync", "scape/outer_sync")
 
 
 @contextlib.contextmanager
