@@ -173,6 +173,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lr", type=float, default=None,
                     help="skip the dense sweep and use this lr (the sweep's choice)")
     ap.add_argument("--warmup", type=int, default=20, help="dense warm-up steps")
+    ap.add_argument("--dense-loss", type=float, default=None,
+                    help="with --lr: the dense AdamS loss measured by an earlier run of the "
+                         "same workload; skips the dense run (ratios use this value)")
     ap.add_argument("--model", default="small")
     ap.add_argument("--data", default=None)
     ap.add_argument("--threads", type=int, default=2)
@@ -196,14 +199,19 @@ def main(argv: list[str] | None = None) -> int:
     results: list[dict[str, Any]] = []
     started = time.perf_counter()
 
+    if args.dense_loss is not None and args.lr is None:
+        ap.error("--dense-loss needs --lr (the learning rate that loss was measured at)")
     lrs = [args.lr] if args.lr is not None else args.dense_lrs
     dense_rows = []
-    for lr in lrs:
+    for lr in lrs if args.dense_loss is None else []:
         print(f"dense AdamS lr={lr:g}", flush=True)
         r = train(dict(name=f"dense-adams-lr{lr:g}", sparsity=0.0, lr=lr), w, corpus)
         dense_rows.append(r)
-    best = min(dense_rows, key=lambda r: r["final_val_loss"])
-    lr = best["variant"]["lr"]
+    if dense_rows:
+        best = min(dense_rows, key=lambda r: r["final_val_loss"])
+        lr, dense_loss = best["variant"]["lr"], best["final_val_loss"]
+    else:
+        lr, dense_loss = args.lr, args.dense_loss
     results += dense_rows
     for v in variants(args.sparsity, args.variants, args.warmup):
         v["lr"] = lr
@@ -223,7 +231,6 @@ def main(argv: list[str] | None = None) -> int:
                        - 1.0}
         print(f"  W=1 {first['final_val_loss']:.4f}  W={args.check_world} "
               f"{multi['final_val_loss']:.4f}", flush=True)
-    dense_loss = best["final_val_loss"]
     for r in results:
         r["ratio_to_dense"] = r["final_val_loss"] / dense_loss
     report = {"schema": SCHEMA, "workload": dataclasses.asdict(w), "dense_lr": lr,
