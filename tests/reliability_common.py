@@ -42,6 +42,13 @@ def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, torch.tanh(x @ _W_TRUE)
 
 
+def eval_loss(model: torch.nn.Module) -> float:
+    """Loss on a fixed held-out batch, the same on every rank and world size."""
+    x, y = batch(0, 10_000)
+    with torch.no_grad():
+        return float(torch.nn.functional.mse_loss(model(x), y))
+
+
 def train_step(model: torch.nn.Module, opt, step: int, rank: int) -> float:
     """Forward, backward and ``opt.step()`` on the batch of (step, rank); returns the loss."""
     x, y = batch(step, rank)
