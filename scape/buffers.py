@@ -94,12 +94,12 @@ class Bucket:
                 if fp32:
                     p.grad = g_view
                 continue
-            if fp32 and g.data_ptr() == g_view.data_ptr() and g.shape == g_view.shape:
-                continue
-            if g.is_sparse:
+            if g.is_sparse:  # checked first: a sparse tensor has no data pointer
                 raise TypeError("SCAPE does not support sparse gradients (got a sparse grad "
                                 f"for a parameter of shape {tuple(p.shape)}); use dense "
                                 "embeddings (sparse=False)")
+            if fp32 and g.data_ptr() == g_view.data_ptr() and g.shape == g_view.shape:
+                continue
             g_view.add_(g.detach().to(torch.float32).view_as(g_view))
             p.grad = g_view if fp32 else None
 
