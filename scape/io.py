@@ -258,8 +258,8 @@ def validate_state(opt: Any, sd: dict[str, Any], rank: int, manifest: dict[str, 
             config.check_betas(saved.get("betas"))
             config.check_eps(saved.get("eps"))
             config.check_weight_decay(saved.get("weight_decay"))
-        except (TypeError, ValueError) as e:
-            raise CheckpointError(f"{where}, param group {i}: {e}") from e
+        except (TypeError, ValueError) as bad:
+            raise CheckpointError(f"{where}, param group {i}: {bad}") from bad
         if saved.get("sparsity") != live.get("sparsity"):
             raise CheckpointError(f"{where}, param group {i}: sparsity {saved.get('sparsity')}"
                                   f" != this optimizer's {live.get('sparsity')}")
