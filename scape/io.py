@@ -239,8 +239,8 @@ def validate_state(opt: Any, sd: dict[str, Any], rank: int, manifest: dict[str, 
             raise CheckpointError(f"{where}: expected state format {STATE_FORMAT!r}, got "
                                   f"{sd.get('format')!r}")
         _check_structure(opt, sd)
-    except (KeyError, TypeError, ValueError) as e:
-        raise CheckpointError(f"{where} does not fit this optimizer: {e}") from e
+    except (KeyError, TypeError, ValueError) as bad:
+        raise CheckpointError(f"{where} does not fit this optimizer: {bad}") from bad
     expect = (manifest["world_size"], rank, manifest["step"], manifest["optimizer"])
     got = (sd.get("world_size"), sd.get("rank"), sd.get("step"), sd.get("optimizer"))
     if got != expect:
