@@ -87,7 +87,7 @@ CASES = [
     pytest.param(2, "0:5:all_gather:die", "all_gather", 5, id="die-all_gather-dense"),
     # killed before issuing step 6's mask all-gather: step 6 completes, step 7 finds it missing
     pytest.param(2, "1:6:mask_sync:die", "all_gather", 6, id="die-mask_sync"),
-    pytest.param(2, "1:7:reduce_scatter:hang=12", "reduce_scatter", 7, id="hang"),
+    pytest.param(2, "1:7:reduce_scatter:hang=7", "reduce_scatter", 7, id="hang"),
 ]
 
 
