@@ -79,8 +79,9 @@ def _adamw_dense_kernel(p_p, p_m, p_v, p_g, p_out, n, beta1, beta2, eps, decay, 
 
 @triton.jit
 def _adams_sparse_kernel(p_p, p_m, p_age, p_g, p_idx, p_out, k, lr, beta1, beta2, eps,
-                         log_decay, BLOCK_SIZE: tl.constexpr, K_TILE: tl.constexpr,
-                         HAS_DECAY: tl.constexpr, HAS_OUT: tl.constexpr):
+                         log_decay, log_beta1, BLOCK_SIZE: tl.constexpr, K_TILE: tl.constexpr,
+                         HAS_DECAY: tl.constexpr, HAS_OUT: tl.constexpr,
+                         CATCHUP: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1).to(tl.int64) * K_TILE + tl.arange(0, K_TILE)
     m_j = j < k
@@ -89,13 +90,23 @@ def _adams_sparse_kernel(p_p, p_m, p_age, p_g, p_idx, p_out, k, lr, beta1, beta2
     b_g = tl.load(p_g + compact, mask=m_j, other=0.0).to(tl.float32)
     b_p = tl.load(p_p + flat, mask=m_j, other=0.0)
     b_m = tl.load(p_m + flat, mask=m_j, other=0.0)
+    if HAS_DECAY or CATCHUP:
+        b_a1 = tl.load(p_age + flat, mask=m_j, other=0).to(tl.float32) + 1.0
+    if CATCHUP:
+        b_g = b_g / b_a1  # the mean of the a+1 accumulated per-step gradients
     denom = tl.sqrt(beta2 * b_m * b_m + (1.0 - beta2) * b_g * b_g) + eps
-    b_m = beta1 * b_m + (1.0 - beta1) * b_g
+    if CATCHUP:
+        keep = tl.exp(b_a1 * log_beta1)  # beta1^(a+1)
+        b_m = keep * b_m + (1.0 - keep) * b_g
+    else:
+        b_m = beta1 * b_m + (1.0 - beta1) * b_g
     if HAS_DECAY:
         # lazy decay (1 - lr*wd)^(age+1) = exp((age+1) * log1p(-lr*wd))
-        b_age = tl.load(p_age + flat, mask=m_j, other=0)
-        b_p = b_p * tl.exp((b_age.to(tl.float32) + 1.0) * log_decay)
-    b_p = b_p - lr * (b_m / denom)
+        b_p = b_p * tl.exp(b_a1 * log_decay)
+    if CATCHUP:
+        b_p = b_p - lr * (b_m / denom) * b_a1
+    else:
+        b_p = b_p - lr * (b_m / denom)
     tl.store(p_p + flat, b_p, mask=m_j)
     tl.store(p_m + flat, b_m, mask=m_j)
     tl.store(p_age + flat, tl.full((K_TILE,), -1, tl.int32), mask=m_j)
@@ -140,15 +151,18 @@ def adamw_dense_triton(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, g: tor
 def adams_sparse_triton(p: torch.Tensor, m: torch.Tensor, age: torch.Tensor, g: torch.Tensor,
                         idx: torch.Tensor, block_size: int, *, lr: float, beta1: float,
                         beta2: float, eps: float, weight_decay: float,
-                        model_out: torch.Tensor | None = None) -> None:
+                        model_out: torch.Tensor | None = None, catchup: bool = False) -> None:
     """Launch :func:`_adams_sparse_kernel` then :func:`_age_kernel` (validated arguments)."""
     n_blocks, k = idx.shape
     k_tile = min(triton.next_power_of_2(k), 1024)
     log_decay = math.log1p(-lr * weight_decay) if weight_decay != 0.0 else 0.0
+    # log(beta1); beta1 = 0 gives a finite stand-in whose exp underflows to 0 for a+1 >= 1
+    log_beta1 = math.log(beta1) if beta1 > 0.0 else -1e30
     _adams_sparse_kernel[(n_blocks, triton.cdiv(k, k_tile))](
         p, m, age, g, idx, model_out if model_out is not None else p, k, lr, beta1, beta2,
-        eps, log_decay, BLOCK_SIZE=block_size, K_TILE=k_tile, HAS_DECAY=weight_decay != 0.0,
-        HAS_OUT=model_out is not None, num_warps=4 if k_tile >= 512 else 2)
+        eps, log_decay, log_beta1, BLOCK_SIZE=block_size, K_TILE=k_tile,
+        HAS_DECAY=weight_decay != 0.0, HAS_OUT=model_out is not None, CATCHUP=catchup,
+        num_warps=4 if k_tile >= 512 else 2)
     n = age.numel()
     _age_kernel[(triton.cdiv(n, DENSE_TILE),)](age, n, TILE=DENSE_TILE, num_warps=DENSE_WARPS)
 
@@ -192,7 +206,7 @@ def adams_dense_(p: torch.Tensor, m: torch.Tensor, g: torch.Tensor, *, lr: float
 def adams_sparse_(p: torch.Tensor, m: torch.Tensor, age: torch.Tensor, g: torch.Tensor,
                   idx: torch.Tensor, block_size: int, *, lr: float, beta1: float,
                   beta2: float, eps: float, weight_decay: float,
-                  model_out: torch.Tensor | None = None) -> None:
+                  model_out: torch.Tensor | None = None, catchup: bool = False) -> None:
     """AdamS at the mask's coordinates with lazy weight decay; every other coordinate ages.
 
     ``p``, ``m`` fp32 and ``age`` int32 cover the whole shard; ``g`` is compact (one value
@@ -200,7 +214,14 @@ def adams_sparse_(p: torch.Tensor, m: torch.Tensor, age: torch.Tensor, g: torch.
     ``p = p*(1-lr*wd)^(a+1) - lr*m_new/(sqrt(v)+eps)`` with ``v`` built from the old ``m``,
     then ``age = 0``; elsewhere ``p``, ``m`` are untouched and ``age += 1``. ``model_out``
     (compact) receives the new ``p`` at the masked coordinates, cast to its dtype.
+
+    ``catchup=True`` (SCAPE's ``"catchup"`` rules) replays the ``a + 1`` steps a coordinate
+    missed from their mean gradient ``g/(a+1)`` (with error feedback ``g`` is their sum):
+    ``v = b2*m^2 + (1-b2)*mean^2``, ``m = b1^(a+1)*m + (1-b1^(a+1))*mean``,
+    ``p = p*(1-lr*wd)^(a+1) - lr*(a+1)*m/(sqrt(v)+eps)``. At ``a = 0`` it is the plain step.
     """
+    if not isinstance(catchup, bool):
+        raise TypeError(f"catchup must be a bool, got {type(catchup).__name__}")
     _check_state(p, m=m, age=age)
     block_size = check_block_size(block_size)
     n_blocks = check_blocked("p", p, block_size)
@@ -214,9 +235,10 @@ def adams_sparse_(p: torch.Tensor, m: torch.Tensor, age: torch.Tensor, g: torch.
     if use_triton(p):
         return adams_sparse_triton(p, m, age, g, idx, block_size, lr=lr, beta1=beta1,
                                    beta2=beta2, eps=eps, weight_decay=weight_decay,
-                                   model_out=model_out)
+                                   model_out=model_out, catchup=catchup)
     reference.adams_sparse_(p, m, age, g, idx, block_size, lr=lr, beta1=beta1, beta2=beta2,
-                            eps=eps, weight_decay=weight_decay, model_out=model_out)
+                            eps=eps, weight_decay=weight_decay, model_out=model_out,
+                            catchup=catchup)
 
 
 def adamw_dense_(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, g: torch.Tensor, *,

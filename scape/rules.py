@@ -76,17 +76,28 @@ def _flat(idx: torch.Tensor, block_size: int) -> torch.Tensor:
 
 
 def catchup_mean(shard: ShardState, g: torch.Tensor, idx: torch.Tensor, block_size: int,
-                 hp: dict, model_out: torch.Tensor, power: float = 1.0) -> None:
+                 hp: dict, model_out: torch.Tensor) -> None:
     """Replay the ``a + 1`` steps a coordinate missed, from their mean gradient.
 
     With error feedback, ``g`` is the sum of the ``a + 1`` per-step gradients accumulated
     since the coordinate was last sent. This rule feeds their mean ``g / (a + 1)`` to AdamS
     as if it had arrived on each of those steps: the moment decays by ``beta1^(a+1)`` toward
     the mean, and the parameter moves ``a + 1`` normalized steps (each ``m / (sqrt(v)+eps)``
-    evaluated at the end state), with the lazy weight decay. Torch ops on the compact
-    coordinates (research rule, not fused). ``power`` < 1 moves ``(a + 1)^power`` steps
-    instead (Adam's square-root batch-size scaling: the mean of ``a + 1`` gradients is a
-    larger batch, not ``a + 1`` independent steps).
+    evaluated at the end state), with the lazy weight decay. At ``a = 0`` it is the lazy
+    step. One fused kernel (``adams_sparse_(..., catchup=True)``).
+    """
+    adams_sparse_(shard.master, shard.m, shard.age, g, idx, block_size, lr=hp["lr"],
+                  beta1=hp["beta1"], beta2=hp["beta2"], eps=hp["eps"],
+                  weight_decay=hp["weight_decay"], model_out=model_out, catchup=True)
+
+
+def catchup_power(shard: ShardState, g: torch.Tensor, idx: torch.Tensor, block_size: int,
+                  hp: dict, model_out: torch.Tensor, power: float) -> None:
+    """:func:`catchup_mean` moving ``(a + 1)^power`` normalized steps instead of ``a + 1``.
+
+    ``power = 0.5`` is Adam's square-root batch-size scaling: the mean of ``a + 1``
+    gradients is one larger batch, not ``a + 1`` independent steps. Torch ops on the compact
+    coordinates (a research rule, not fused).
     """
     flat = _flat(idx, block_size)
     a1 = shard.age[flat].to(torch.float32) + 1.0
@@ -108,8 +119,8 @@ def catchup_mean(shard: ShardState, g: torch.Tensor, idx: torch.Tensor, block_si
 
 def catchup_sqrt(shard: ShardState, g: torch.Tensor, idx: torch.Tensor, block_size: int,
                  hp: dict, model_out: torch.Tensor) -> None:
-    """:func:`catchup_mean` moving ``sqrt(a + 1)`` normalized steps."""
-    catchup_mean(shard, g, idx, block_size, hp, model_out, power=0.5)
+    """:func:`catchup_power` with ``power = 0.5``."""
+    catchup_power(shard, g, idx, block_size, hp, model_out, power=0.5)
 
 
 def accumulated_score(shard: ShardState) -> torch.Tensor:

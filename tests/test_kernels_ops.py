@@ -184,8 +184,9 @@ SPARSE_UPDATE_CASES = [
 ]
 
 
+@pytest.mark.parametrize("catchup", [False, True], ids=["plain", "catchup"])
 @pytest.mark.parametrize("block_size,n_blocks,k,g_dtype,out_dtype,wd", SPARSE_UPDATE_CASES)
-def test_adams_sparse(backend, block_size, n_blocks, k, g_dtype, out_dtype, wd):
+def test_adams_sparse(backend, block_size, n_blocks, k, g_dtype, out_dtype, wd, catchup):
     gen = _gen("adams_sparse", block_size, n_blocks, k, g_dtype, out_dtype, wd)
     n = n_blocks * block_size
     idx = _random_mask(n_blocks, block_size, k, gen)
@@ -197,9 +198,10 @@ def test_adams_sparse(backend, block_size, n_blocks, k, g_dtype, out_dtype, wd):
     g = torch.randn(n_blocks * k, generator=gen).to(g_dtype)
     p, m, age = p0.clone(), m0.clone(), age0.clone()
     out = nan_empty(n_blocks * k, out_dtype)
-    kernels.adams_sparse_(p, m, age, g, idx, block_size, weight_decay=wd, model_out=out, **HP)
+    kernels.adams_sparse_(p, m, age, g, idx, block_size, weight_decay=wd, model_out=out,
+                          catchup=catchup, **HP)
     ep, em = adams_f64(p0[flat], m0[flat], g, HP["lr"], HP["beta1"], HP["beta2"], HP["eps"],
-                       wd, age=age0[flat])
+                       wd, age=age0[flat], catchup=catchup)
     assert_close(p[flat], ep, F32, "p at the mask")
     assert_close(m[flat], em, F32, "m at the mask")
     assert_cast_equal(out, p[flat], "model_out")
