@@ -154,12 +154,36 @@ def variants(sparsities: list[float], names: list[str] | None,
             dict(base, name=f"lazy_accum@{sp}", update="lazy_accum"),
             dict(base, name=f"catchup_mean@{sp}", update="catchup_mean"),
             dict(base, name=f"catchup_accum@{sp}", update="catchup_accum"),
+            dict(base, name=f"catchup_accum-explore0@{sp}", update="catchup_accum",
+                 explore=0.0),
             dict(base, name=f"catchup_sqrt@{sp}", update="catchup_sqrt"),
             dict(base, name=f"catchup_sqrt_accum@{sp}", update="catchup_sqrt_accum"),
         ]
     if names:
         rows = [r for r in rows if r["name"].split("@")[0] in names]
     return rows
+
+
+def table(paths: list[str], dense_ref: float | None = None) -> str:
+    """A markdown table of every row of the given result files, with the command of each.
+
+    ``dense_ref``: recompute every ratio against this dense loss (e.g. the sweep's best when
+    the sweep's learning rates ran as separate files)."""
+    lines = ["| steps | accum | variant | sparsity | final val loss | ratio to dense | command |",
+             "|---|---|---|---|---|---|---|"]
+    for path in paths:
+        with open(path) as f:
+            rep = json.load(f)
+        if rep.get("schema") != SCHEMA:
+            raise ValueError(f"{path}: not a {SCHEMA} report")
+        w = rep["workload"]
+        for r in rep["results"]:
+            v = r["variant"]
+            ratio = r["final_val_loss"] / dense_ref if dense_ref else r["ratio_to_dense"]
+            lines.append(f"| {w['steps']} | {w['accum']} | {v['name'].split('@')[0]} | "
+                         f"{v.get('sparsity', 0.0):g} | {r['final_val_loss']:.4f} | "
+                         f"{ratio:.3f} | `{rep['command']}` |")
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -184,7 +208,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--check-world", type=int, default=0,
                     help="re-run the first sparse variant on this many gloo ranks (bench.runner)"
                          " and report its final loss beside the single-process one")
+    ap.add_argument("--table", nargs="+", default=None, metavar="JSON",
+                    help="print a markdown table of these result files and exit")
     args = ap.parse_args(argv)
+    if args.table:
+        print(table(args.table, args.dense_loss))
+        return 0
 
     w = Workload(model=args.model, steps=args.steps, accum=args.accum, threads=args.threads,
                  eval_every=max(1, args.steps // 4))
