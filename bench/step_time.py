@@ -48,7 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=5, help="SCAPE dense warm-up steps")
     ap.add_argument("--timed", type=int, default=12, help="steps in the median")
     ap.add_argument("--out", default="bench/results/step_time.json")
-    ap.add_argument("--runs-dir", default=None, help="per-run JSON (default: beside --out)")
+    ap.add_argument("--runs-dir", default=None,
+                    help="per-run JSON (default: out/step_time_runs, or beside a given --out)")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--timeout", type=float, default=600.0, help="deadline per run (s)")
     args = ap.parse_args(argv)
@@ -65,6 +66,8 @@ def main(argv: list[str] | None = None) -> int:
         require()
     runs_dir = args.runs_dir or os.path.join(os.path.dirname(os.path.abspath(args.out)),
                                              "step_time_runs")
+    if args.runs_dir is None and args.out == ap.get_default("out"):
+        runs_dir = os.path.join("out", "step_time_runs")  # per-run JSON stays out of git
     os.makedirs(runs_dir, exist_ok=True)
     started = time.perf_counter()
 

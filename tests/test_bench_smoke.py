@@ -1,0 +1,143 @@
+"""Smokes of the end-to-end benchmarks (tiny model, a few steps, W=2, plain loopback): each
+script runs as the user runs it, in a subprocess under a deadline, and its outputs' schema
+and byte accounting are checked against the library's own step records."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run(args: list[str], timeout: float) -> str:
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    proc = subprocess.run([sys.executable, "-m", *args], cwd=ROOT, env=env, timeout=timeout,
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, f"{args} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc.stdout
+
+
+def _library_bytes(sparsity: float, world: int) -> tuple[int, int]:
+    """(dense step, steady sparse step) bytes of scape.SCAPE on the tiny model's param groups,
+    from ``opt.last_step.bytes`` with a counting communicator playing rank 0 of ``world``."""
+    from bench.gpt import GPT, get_config, param_groups
+    from bench.nullcomm import NullCommunicator
+
+    model = GPT(get_config("tiny"), seed=0)
+    groups = param_groups(model, 0.1)
+    for g in groups:
+        g.pop("name")
+    opt = __import__("scape").SCAPE(groups, lr=1e-3, sparsity=sparsity, warmup_steps=1,
+                                    comm=NullCommunicator(world, 0))
+    x = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(0))
+    sizes = []
+    for _ in range(3):
+        model.loss(x, x).backward()
+        opt.step()
+        sizes.append(sum(opt.last_step.bytes.values()))
+    return sizes[0], sizes[2]
+
+
+RUN_KEYS = {"schema", "name", "config", "params", "final_val_loss", "val_curve", "train_curve",
+            "timing_window", "median_step_s", "median_wait_s", "median_compute_s",
+            "median_compute_s_by_rank", "step_s", "bytes_per_step", "bytes_per_step_total",
+            "bytes_per_step_mean_all_steps", "dense_steps", "phases", "wall_s", "train_wall_s"}
+
+
+@pytest.mark.timeout(240)
+def test_compare_smoke(tmp_path):
+    out = tmp_path / "out"
+    stdout = _run(["bench.compare", "--smoke", "--profile", "--out", str(out)], timeout=220)
+    assert "unshaped loopback" in stdout
+    report = json.loads((out / "report.json").read_text())
+    assert report["schema"] == "scape.compare/1"
+    names = [r["name"] for r in report["runs"]]
+    assert names == ["adamw_ddp", "dist_adamw", "adams", "scape-0.9", "scape-0.99",
+                     "topk-0.99", "compute_only"]
+    world, steps = report["workload"]["world"], report["workload"]["steps"]
+    assert world == 2
+    by = {r["name"]: r for r in report["runs"]}
+    for r in report["runs"]:
+        assert set(r) == RUN_KEYS and r["schema"] == "scape.run/1"
+        assert len(r["train_curve"]) == len(r["step_s"]) == steps
+        assert all(t > 0 for t in r["step_s"])
+        assert 0 <= r["median_wait_s"] <= r["median_step_s"]
+        assert r["params"] == by["adams"]["params"]
+        if r["name"] == "compute_only":
+            assert r["final_val_loss"] is None and r["val_curve"] == []
+        else:
+            assert r["val_curve"][-1][0] == steps and 0 < r["final_val_loss"] < 6
+            assert r["final_val_loss"] == r["val_curve"][-1][1]
+    # every optimizer trained on the same data: the first step's loss is the same
+    first = {round(r["train_curve"][0], 5) for r in report["runs"]}
+    assert len(first) == 1
+    # bytes: DDP counts 2 x its fp32 gradient buckets; SCAPE's equal the library's own record
+    assert by["adamw_ddp"]["bytes_per_step_total"] == 2 * 4 * by["adams"]["params"]
+    dense, _ = _library_bytes(0.0, world)
+    _, sparse99 = _library_bytes(0.99, world)
+    assert by["adams"]["bytes_per_step_total"] == dense
+    assert by["scape-0.99"]["bytes_per_step_total"] == sparse99
+    assert by["compute_only"]["bytes_per_step_total"] == sparse99
+    assert by["scape-0.99"]["bytes_per_step"]["all_gather"] > 0
+    # table rows and ratios
+    table = {t["name"]: t for t in report["table"]}
+    assert table["adams"]["val_ratio_to_adams"] == 1.0
+    assert table["compute_only"]["step_ratio_to_compute_only"] == 1.0
+    assert table["scape-0.99"]["bytes_ratio_to_adams"] == pytest.approx(sparse99 / dense)
+    assert len(report["targets"]) == 6 and all(t["met"] in (True, False)
+                                               for t in report["targets"])
+    # profiler ranges of every SCAPE phase appear in the traces
+    for name in ("scape-0.99", "compute_only"):
+        assert set(report["profile_phases"][name]) >= {
+            "scape/take", "scape/reduce_scatter", "scape/update", "scape/mask",
+            "scape/all_gather", "scape/mask_sync"}
+    assert "topk/select" in report["profile_phases"]["topk-0.99"]
+    for f in ("report.md", "loss.png", "bytes.png"):
+        assert (out / f).stat().st_size > 0
+    assert "| optimizer | final val loss |" in (out / "report.md").read_text()
+
+
+@pytest.mark.timeout(120)
+def test_step_time_smoke(tmp_path):
+    out = tmp_path / "step_time.json"
+    _run(["bench.step_time", "--smoke", "--optimizers", "scape-0.99", "--out", str(out)],
+         timeout=100)
+    rep = json.loads(out.read_text())
+    assert rep["schema"] == "scape.step_time/1"
+    assert rep["workload"]["world"] == 2
+    (cell,) = rep["cells"]
+    assert cell["optimizer"] == "scape-0.99" and cell["rate"] == "unshaped"
+    assert cell["ratio_to_compute_only"] == pytest.approx(
+        cell["median_step_s"] / rep["compute_only_step_s"])
+    assert 0 <= cell["median_wait_s"] <= cell["median_step_s"]
+    assert os.path.exists(tmp_path / "step_time_runs" / "scape-0.99@unshaped.json")
+
+
+@pytest.mark.timeout(60)
+def test_comm_volume_smoke(tmp_path):
+    from bench.projection import MODELS
+
+    out = tmp_path / "cv.json"
+    _run(["bench.comm_volume", "--smoke", "--out", str(out)], timeout=50)
+    rep = json.loads(out.read_text())
+    assert rep["schema"] == "scape.comm_volume/1"
+    assert all(c["check_ok"] for c in rep["calibration"])
+    rows = {r["sparsity"]: r for r in rep["rows"]}
+    assert set(rows) == {0.0, 0.9, 0.99}
+    n = MODELS["GPT-345M"].n_params()
+    dense = rows[0.0]
+    assert dense["n_params"] == n and dense["world"] == 8
+    assert dense["n_pad"] % (8 * rep["block_size"]) == 0 and 0 <= dense["n_pad"] - n < 8 * 4096
+    # bf16 both ways: 2 + 2 bytes per padded coordinate, plus the 8-byte scalar all-reduce
+    assert dense["bytes_per_step"] == 4 * dense["n_pad"] + 8
+    for sp in (0.9, 0.99):
+        r = rows[sp]
+        assert r["k"] == r["n_pad"] // 4096 * max(1, round((1 - sp) * 4096))
+        assert r["bytes_per_step"] == r["k"] * (2 + 2 + 2) + 8
+        assert r["bytes_per_step"] == pytest.approx(r["design_formula"], abs=8)
