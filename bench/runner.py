@@ -19,7 +19,9 @@ Optimizers (``RunConfig.optimizer``):
 ``topk``                raw-gradient top-k with error feedback (:mod:`bench.topk_baseline`)
 ``compute_only``        ``scape.SCAPE`` at ``sparsity`` on a communicator that moves nothing:
                         the same per-rank work with no collectives (the step-time floor; its
-                        model is not trained across ranks, so it reports no validation loss)
+                        model is not trained across ranks, so it reports no validation loss;
+                        a barrier outside the timed region starts each step on every rank
+                        together, as a real run's collectives do)
 ======================  ===================================================================
 
 What is measured, per rank and step (a step = ``grad_accum`` forward/backward passes and the
@@ -418,6 +420,11 @@ def _train(cfg: RunConfig, rank: int, world: int) -> dict[str, Any]:
         if cfg.profile_dir is not None and step + 1 == prof_steps.start:
             prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
             prof.__enter__()
+        if cfg.optimizer == "compute_only":
+            # Real runs start every step together (their collectives line the ranks up), so
+            # the ranks compete for the cores the same way; without this the floor's ranks
+            # drift apart and a lone rank runs faster than any synchronized one could.
+            dist.barrier()
         batches = [batch_at(corpus.train, step * cfg.grad_accum + micro, global_batch, seq,
                             cfg.seed, rank, world) for micro in range(cfg.grad_accum)]
         for g in opt.param_groups:
