@@ -86,6 +86,12 @@ def plot_bytes(runs: Sequence[dict[str, Any]], path: str, title: str = "") -> bo
         if total > 0:
             ax.text(x, total, f"{total / 1e3:,.0f} kB", ha="center", va="bottom", fontsize=8)
     ax.set_yscale("log")
+    # on a log scale the lowest segment must sit above the axis floor to be seen; segments
+    # under 1% of their bar (the 8-byte scalar all-reduce) stay invisible anyway
+    visible = [v for r in runs for v in r.get("bytes_per_step", {}).values()
+               if v >= 0.01 * sum(r.get("bytes_per_step", {}).values())]
+    if visible:
+        ax.set_ylim(bottom=0.3 * min(visible))
     ax.set_ylabel("payload bytes per step per rank")
     ax.set_title(title or "communication per step")
     ax.tick_params(axis="x", rotation=30)
