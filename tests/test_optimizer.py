@@ -108,7 +108,7 @@ CONFIGS = {
     "no_ef": dict(sparsity=0.9, warmup_steps=2, error_feedback=False),
     "bf16": dict(sparsity=0.9, warmup_steps=2, dtype=torch.bfloat16),
     "set_to_none": dict(sparsity=0.9, warmup_steps=2, set_to_none=True),
-    "catchup_accum": dict(sparsity=0.9, warmup_steps=2, update="catchup_accum"),
+    "lazy": dict(sparsity=0.9, warmup_steps=2, update="lazy"),
 }
 
 
@@ -199,7 +199,7 @@ def _sparse_body(rank, world, names, steps):
 
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_scape_step_invariants(world):
-    names = list(CONFIGS) if world != 3 else ["base", "bf16", "explore1"]
+    names = list(CONFIGS) if world != 3 else ["base", "bf16", "explore1", "lazy"]
     results = run_ranks(_sparse_body, world, names, 9, timeout=300)
     assert all(set(r) == set(names) for r in results)
 
@@ -209,7 +209,9 @@ def _train_body(rank, world, sparsity):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(),
                                 torch.nn.Linear(64, 8))
-    opt = scape.SCAPE(model.parameters(), lr=3e-2, sparsity=sparsity, block_size=256,
+    # the default rule (catch-up) moves a stale coordinate (age+1) steps at once: it wants
+    # an lr near dense AdamS's best, not the 10x larger one the lazy rule tolerates
+    opt = scape.SCAPE(model.parameters(), lr=3e-3, sparsity=sparsity, block_size=256,
                       warmup_steps=3)
     gen = torch.Generator().manual_seed(123)
     w_true = torch.randn(32, 8, generator=gen)
