@@ -138,27 +138,29 @@ DENSE_LRS = (1e-3, 3e-3, 1e-2)
 
 def variants(sparsities: list[float], names: list[str] | None,
              warmup: int = 20) -> list[dict[str, Any]]:
-    """The ablation rows at the dense-sweep-chosen lr (filled in later)."""
+    """The ablation rows (their lr is the dense sweep's choice, filled in by ``main``).
+
+    Per sparsity: every rule of :data:`scape.rules.RULES` at the default schedule, and the
+    schedule variants (explore, warm-up, dense refresh, error feedback off) for both the
+    plain ``lazy`` rule and the library's default ``catchup_accum``. A row is named
+    ``<rule>[-<schedule change>]@<sparsity>``.
+    """
+    from scape.rules import RULES
+
     rows: list[dict[str, Any]] = []
     for sp in sparsities:
-        base = dict(sparsity=sp, warmup_steps=warmup, explore=0.1, update="lazy")
-        rows += [
-            dict(base, name=f"lazy@{sp}"),
-            dict(base, name=f"lazy-explore0@{sp}", explore=0.0),
-            dict(base, name=f"lazy-explore0.05@{sp}", explore=0.05),
-            dict(base, name=f"lazy-explore0.2@{sp}", explore=0.2),
-            dict(base, name=f"lazy-warmup10@{sp}", warmup_steps=10),
-            dict(base, name=f"lazy-warmup100@{sp}", warmup_steps=100),
-            dict(base, name=f"lazy-dense_every50@{sp}", dense_every=50),
-            dict(base, name=f"lazy-no_ef@{sp}", error_feedback=False),
-            dict(base, name=f"lazy_accum@{sp}", update="lazy_accum"),
-            dict(base, name=f"catchup_mean@{sp}", update="catchup_mean"),
-            dict(base, name=f"catchup_accum@{sp}", update="catchup_accum"),
-            dict(base, name=f"catchup_accum-explore0@{sp}", update="catchup_accum",
-                 explore=0.0),
-            dict(base, name=f"catchup_sqrt@{sp}", update="catchup_sqrt"),
-            dict(base, name=f"catchup_sqrt_accum@{sp}", update="catchup_sqrt_accum"),
-        ]
+        base = dict(sparsity=sp, warmup_steps=warmup, explore=0.1)
+        rows += [dict(base, name=f"{rule}@{sp}", update=rule) for rule in RULES]
+        for rule in ("lazy", "catchup_accum"):
+            rows += [
+                dict(base, name=f"{rule}-explore0@{sp}", update=rule, explore=0.0),
+                dict(base, name=f"{rule}-explore0.05@{sp}", update=rule, explore=0.05),
+                dict(base, name=f"{rule}-explore0.2@{sp}", update=rule, explore=0.2),
+                dict(base, name=f"{rule}-warmup10@{sp}", update=rule, warmup_steps=10),
+                dict(base, name=f"{rule}-warmup100@{sp}", update=rule, warmup_steps=100),
+                dict(base, name=f"{rule}-dense_every50@{sp}", update=rule, dense_every=50),
+                dict(base, name=f"{rule}-no_ef@{sp}", update=rule, error_feedback=False),
+            ]
     if names:
         rows = [r for r in rows if r["name"].split("@")[0] in names]
     return rows
