@@ -79,7 +79,8 @@ def _adamw_dense_kernel(p_p, p_m, p_v, p_g, p_out, n, beta1, beta2, eps, decay, 
 
 @triton.jit
 def _adams_sparse_kernel(p_p, p_m, p_age, p_g, p_idx, p_out, k, lr, beta1, beta2, eps,
-                         log_decay, log_beta1, BLOCK_SIZE: tl.constexpr, K_TILE: tl.constexpr,
+                         log_decay, log_beta1, power, BLOCK_SIZE: tl.constexpr,
+                         K_TILE: tl.constexpr,
                          HAS_DECAY: tl.constexpr, HAS_OUT: tl.constexpr,
                          CATCHUP: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
@@ -104,7 +105,7 @@ def _adams_sparse_kernel(p_p, p_m, p_age, p_g, p_idx, p_out, k, lr, beta1, beta2
         # lazy decay (1 - lr*wd)^(age+1) = exp((age+1) * log1p(-lr*wd))
         b_p = b_p * tl.exp(b_a1 * log_decay)
     if CATCHUP:
-        b_p = b_p - lr * (b_m / denom) * b_a1
+        b_p = b_p - lr * (b_m / denom) * tl.exp(power * tl.log(b_a1))  # (a+1)^power steps
     else:
         b_p = b_p - lr * (b_m / denom)
     tl.store(p_p + flat, b_p, mask=m_j)
@@ -151,7 +152,8 @@ def adamw_dense_triton(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, g: tor
 def adams_sparse_triton(p: torch.Tensor, m: torch.Tensor, age: torch.Tensor, g: torch.Tensor,
                         idx: torch.Tensor, block_size: int, *, lr: float, beta1: float,
                         beta2: float, eps: float, weight_decay: float,
-                        model_out: torch.Tensor | None = None, catchup: bool = False) -> None:
+                        model_out: torch.Tensor | None = None,
+                        catchup: float | None = None) -> None:
     """Launch :func:`_adams_sparse_kernel` then :func:`_age_kernel` (validated arguments)."""
     n_blocks, k = idx.shape
     k_tile = min(triton.next_power_of_2(k), 1024)
@@ -160,8 +162,9 @@ def adams_sparse_triton(p: torch.Tensor, m: torch.Tensor, age: torch.Tensor, g: 
     log_beta1 = math.log(beta1) if beta1 > 0.0 else -1e30
     _adams_sparse_kernel[(n_blocks, triton.cdiv(k, k_tile))](
         p, m, age, g, idx, model_out if model_out is not None else p, k, lr, beta1, beta2,
-        eps, log_decay, log_beta1, BLOCK_SIZE=block_size, K_TILE=k_tile,
-        HAS_DECAY=weight_decay != 0.0, HAS_OUT=model_out is not None, CATCHUP=catchup,
+        eps, log_decay, log_beta1, 1.0 if catchup is None else catchup,
+        BLOCK_SIZE=block_size, K_TILE=k_tile, HAS_DECAY=weight_decay != 0.0,
+        HAS_OUT=model_out is not None, CATCHUP=catchup is not None,
         num_warps=4 if k_tile >= 512 else 2)
     n = age.numel()
     _age_kernel[(triton.cdiv(n, DENSE_TILE),)](age, n, TILE=DENSE_TILE, num_warps=DENSE_WARPS)
@@ -206,7 +209,8 @@ def adams_dense_(p: torch.Tensor, m: torch.Tensor, g: torch.Tensor, *, lr: float
 def adams_sparse_(p: torch.Tensor, m: torch.Tensor, age: torch.Tensor, g: torch.Tensor,
                   idx: torch.Tensor, block_size: int, *, lr: float, beta1: float,
                   beta2: float, eps: float, weight_decay: float,
-                  model_out: torch.Tensor | None = None, catchup: bool = False) -> None:
+                  model_out: torch.Tensor | None = None,
+                  catchup: float | None = None) -> None:
     """AdamS at the mask's coordinates with lazy weight decay; every other coordinate ages.
 
     ``p``, ``m`` fp32 and ``age`` int32 cover the whole shard; ``g`` is compact (one value
@@ -215,13 +219,17 @@ def adams_sparse_(p: torch.Tensor, m: torch.Tensor, age: torch.Tensor, g: torch.
     then ``age = 0``; elsewhere ``p``, ``m`` are untouched and ``age += 1``. ``model_out``
     (compact) receives the new ``p`` at the masked coordinates, cast to its dtype.
 
-    ``catchup=True`` (SCAPE's ``"catchup"`` rules) replays the ``a + 1`` steps a coordinate
+    ``catchup=c`` (SCAPE's ``"catchup"`` rules) replays the ``a + 1`` steps a coordinate
     missed from their mean gradient ``g/(a+1)`` (with error feedback ``g`` is their sum):
     ``v = b2*m^2 + (1-b2)*mean^2``, ``m = b1^(a+1)*m + (1-b1^(a+1))*mean``,
-    ``p = p*(1-lr*wd)^(a+1) - lr*(a+1)*m/(sqrt(v)+eps)``. At ``a = 0`` it is the plain step.
+    ``p = p*(1-lr*wd)^(a+1) - lr*(a+1)^c*m/(sqrt(v)+eps)``: ``c = 1`` moves one normalized
+    step per missed step, ``c = 0.5`` Adam's square-root batch scaling. At ``a = 0`` every
+    ``c`` gives the plain step. ``None`` (default): the plain step.
     """
-    if not isinstance(catchup, bool):
-        raise TypeError(f"catchup must be a bool, got {type(catchup).__name__}")
+    if catchup is not None and (isinstance(catchup, bool) or not isinstance(catchup, (int, float))
+                                or not 0.0 <= catchup <= 1.0):
+        raise ValueError(f"catchup must be None or a float in [0, 1], got {catchup!r}")
+    catchup = None if catchup is None else float(catchup)
     _check_state(p, m=m, age=age)
     block_size = check_block_size(block_size)
     n_blocks = check_blocked("p", p, block_size)

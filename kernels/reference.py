@@ -142,7 +142,8 @@ def _log(x: float) -> float:
 def adams_sparse_(p: torch.Tensor, m: torch.Tensor, age: torch.Tensor, g: torch.Tensor,
                   idx: torch.Tensor, block_size: int, *, lr: float, beta1: float,
                   beta2: float, eps: float, weight_decay: float,
-                  model_out: torch.Tensor | None = None, catchup: bool = False) -> None:
+                  model_out: torch.Tensor | None = None,
+                  catchup: float | None = None) -> None:
     """AdamS at the masked coordinates only, lazy weight decay, ages advanced.
 
     At a masked coordinate with age ``a``: ``v = b2*m^2 + (1-b2)*g^2`` (old m),
@@ -150,22 +151,23 @@ def adams_sparse_(p: torch.Tensor, m: torch.Tensor, age: torch.Tensor, g: torch.
     Everywhere else ``p`` and ``m`` are untouched and ``age += 1``. ``model_out`` (compact)
     receives the new ``p`` at the masked coordinates, cast to its dtype.
 
-    ``catchup=True`` replays the ``a + 1`` steps the coordinate missed from their mean
+    ``catchup=c`` replays the ``a + 1`` steps the coordinate missed from their mean
     gradient ``g / (a+1)``: ``v`` is built from that mean, ``m = b1^(a+1)*m +
-    (1-b1^(a+1))*mean`` and ``p`` moves ``(a+1)`` normalized steps.
+    (1-b1^(a+1))*mean`` and ``p`` moves ``(a+1)^c`` normalized steps.
     """
     flat = _flat(idx, block_size)
     p_sel = p.index_select(0, flat)
     m_sel = m.index_select(0, flat)
     g_sel = g.float()
-    a1 = age.index_select(0, flat).float().add_(1.0) if catchup or weight_decay != 0.0 \
+    replay = catchup is not None
+    a1 = age.index_select(0, flat).float().add_(1.0) if replay or weight_decay != 0.0 \
         else None
-    if catchup:
+    if replay:
         assert a1 is not None
         g_sel = g_sel / a1
     denom = (m_sel * m_sel).mul_(beta2).addcmul_(g_sel, g_sel, value=1.0 - beta2)
     denom.sqrt_().add_(eps)
-    if catchup:
+    if replay:
         assert a1 is not None
         keep = (a1 * _log(beta1)).exp_()  # beta1^(a+1)
         m_sel.mul_(keep).addcmul_(1.0 - keep, g_sel)
@@ -177,9 +179,9 @@ def adams_sparse_(p: torch.Tensor, m: torch.Tensor, age: torch.Tensor, g: torch.
         assert a1 is not None
         log_decay = math.log1p(-lr * weight_decay)
         p_sel.mul_((a1 * log_decay).exp_())
-    if catchup:
-        assert a1 is not None
-        p_sel.addcmul_(m_sel / denom, a1, value=-lr)
+    if replay:
+        assert a1 is not None and catchup is not None
+        p_sel.addcmul_(m_sel / denom, a1 if catchup == 1.0 else a1.pow(catchup), value=-lr)
     else:
         p_sel.addcdiv_(m_sel, denom, value=-lr)
     p.index_copy_(0, flat, p_sel)

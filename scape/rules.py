@@ -70,57 +70,28 @@ def lazy(shard: ShardState, g: torch.Tensor, idx: torch.Tensor, block_size: int,
                   weight_decay=hp["weight_decay"], model_out=model_out)
 
 
-def _flat(idx: torch.Tensor, block_size: int) -> torch.Tensor:
-    rows = torch.arange(idx.shape[0], device=idx.device, dtype=torch.int64)[:, None]
-    return (rows * block_size + idx.to(torch.int64)).view(-1)
-
-
 def catchup_mean(shard: ShardState, g: torch.Tensor, idx: torch.Tensor, block_size: int,
-                 hp: dict, model_out: torch.Tensor) -> None:
+                 hp: dict, model_out: torch.Tensor, power: float = 1.0) -> None:
     """Replay the ``a + 1`` steps a coordinate missed, from their mean gradient.
 
     With error feedback, ``g`` is the sum of the ``a + 1`` per-step gradients accumulated
     since the coordinate was last sent. This rule feeds their mean ``g / (a + 1)`` to AdamS
     as if it had arrived on each of those steps: the moment decays by ``beta1^(a+1)`` toward
-    the mean, and the parameter moves ``a + 1`` normalized steps (each ``m / (sqrt(v)+eps)``
-    evaluated at the end state), with the lazy weight decay. At ``a = 0`` it is the lazy
-    step. One fused kernel (``adams_sparse_(..., catchup=True)``).
+    the mean, and the parameter moves ``(a + 1)^power`` normalized steps (each
+    ``m / (sqrt(v)+eps)`` evaluated at the end state), with the lazy weight decay. At
+    ``a = 0`` it is the lazy step. One fused kernel (``adams_sparse_(..., catchup=power)``).
     """
     adams_sparse_(shard.master, shard.m, shard.age, g, idx, block_size, lr=hp["lr"],
                   beta1=hp["beta1"], beta2=hp["beta2"], eps=hp["eps"],
-                  weight_decay=hp["weight_decay"], model_out=model_out, catchup=True)
-
-
-def catchup_power(shard: ShardState, g: torch.Tensor, idx: torch.Tensor, block_size: int,
-                  hp: dict, model_out: torch.Tensor, power: float) -> None:
-    """:func:`catchup_mean` moving ``(a + 1)^power`` normalized steps instead of ``a + 1``.
-
-    ``power = 0.5`` is Adam's square-root batch-size scaling: the mean of ``a + 1``
-    gradients is one larger batch, not ``a + 1`` independent steps. Torch ops on the compact
-    coordinates (a research rule, not fused).
-    """
-    flat = _flat(idx, block_size)
-    a1 = shard.age[flat].to(torch.float32) + 1.0
-    b1, b2, lr, eps = hp["beta1"], hp["beta2"], hp["lr"], hp["eps"]
-    mean = g / a1
-    m_old = shard.m[flat]
-    v = b2 * m_old * m_old + (1.0 - b2) * mean * mean
-    decay1 = torch.pow(torch.full_like(a1, b1), a1)
-    m_new = decay1 * m_old + (1.0 - decay1) * mean
-    p = shard.master[flat]
-    p = p * torch.pow(torch.full_like(a1, 1.0 - lr * hp["weight_decay"]), a1)
-    p = p - lr * a1.pow(power) * m_new / (v.sqrt() + eps)
-    shard.master[flat] = p
-    shard.m[flat] = m_new
-    shard.age += 1
-    shard.age[flat] = 0
-    model_out.copy_(p)
+                  weight_decay=hp["weight_decay"], model_out=model_out, catchup=power)
 
 
 def catchup_sqrt(shard: ShardState, g: torch.Tensor, idx: torch.Tensor, block_size: int,
                  hp: dict, model_out: torch.Tensor) -> None:
-    """:func:`catchup_power` with ``power = 0.5``."""
-    catchup_power(shard, g, idx, block_size, hp, model_out, power=0.5)
+    """:func:`catchup_mean` moving ``sqrt(a + 1)`` normalized steps: Adam's square-root
+    batch-size scaling (the mean of ``a + 1`` gradients is one larger batch, not ``a + 1``
+    independent steps)."""
+    catchup_mean(shard, g, idx, block_size, hp, model_out, power=0.5)
 
 
 def accumulated_score(shard: ShardState) -> torch.Tensor:

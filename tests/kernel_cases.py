@@ -48,19 +48,19 @@ def flat_positions(idx: torch.Tensor, block_size: int) -> torch.Tensor:
     return (rows + idx.long()).view(-1)
 
 
-def adams_f64(p, m, g, lr, b1, b2, eps, wd, age=None, catchup=False):
+def adams_f64(p, m, g, lr, b1, b2, eps, wd, age=None, catchup=None):
     """AdamS in float64 (DESIGN §1), lazy decay over ``age + 1`` steps when age is given.
 
-    ``catchup``: the ``age + 1`` missed steps replayed from the mean gradient ``g/(age+1)``
-    (moment decayed by ``b1^(age+1)``, ``age + 1`` normalized steps)."""
+    ``catchup=c``: the ``age + 1`` missed steps replayed from the mean gradient ``g/(age+1)``
+    (moment decayed by ``b1^(age+1)``, ``(age + 1)^c`` normalized steps)."""
     p, m, g = p.double(), m.double(), g.double()
     steps = 1.0 if age is None else age.double() + 1.0
-    if catchup:
+    if catchup is not None:
         g = g / steps
     v = b2 * m * m + (1 - b2) * g * g
-    keep = b1 ** steps if catchup else b1
+    keep = b1 ** steps if catchup is not None else b1
     m_new = keep * m + (1 - keep) * g
-    moved = steps if catchup else 1.0
+    moved = steps ** catchup if catchup is not None else 1.0
     p_new = p * (1 - lr * wd) ** steps - lr * moved * m_new / (v.sqrt() + eps)
     return p_new, m_new
 

@@ -184,7 +184,7 @@ SPARSE_UPDATE_CASES = [
 ]
 
 
-@pytest.mark.parametrize("catchup", [False, True], ids=["plain", "catchup"])
+@pytest.mark.parametrize("catchup", [None, 1.0, 0.5], ids=["plain", "catchup", "catchup-sqrt"])
 @pytest.mark.parametrize("block_size,n_blocks,k,g_dtype,out_dtype,wd", SPARSE_UPDATE_CASES)
 def test_adams_sparse(backend, block_size, n_blocks, k, g_dtype, out_dtype, wd, catchup):
     gen = _gen("adams_sparse", block_size, n_blocks, k, g_dtype, out_dtype, wd)

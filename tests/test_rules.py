@@ -7,7 +7,7 @@ import pytest
 import torch
 from conftest import nan_empty
 
-from scape.rules import RULES, ShardState, accumulated_score, catchup_mean, catchup_power, lazy
+from scape.rules import RULES, ShardState, accumulated_score, catchup_mean, lazy
 
 BLOCK = 256
 HP = dict(lr=3e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
@@ -76,10 +76,7 @@ def test_catchup_matches_float64(power):
     idx = _mask(5, 3, 20)
     flat = _flat(idx)
     g = torch.randn(60, generator=torch.Generator().manual_seed(6))
-    if power == 1.0:
-        catchup_mean(s, g, idx, BLOCK, HP, nan_empty(60))  # the fused kernel
-    else:
-        catchup_power(s, g, idx, BLOCK, HP, nan_empty(60), power=power)
+    catchup_mean(s, g, idx, BLOCK, HP, nan_empty(60), power=power)
     p_ref, m_ref = _catchup_f64(before.master[flat], before.m[flat], before.age[flat], g, HP,
                                 power)
     torch.testing.assert_close(s.master[flat].double(), p_ref, rtol=1e-5, atol=1e-6)
