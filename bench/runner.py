@@ -476,8 +476,12 @@ def _train(cfg: RunConfig, rank: int, world: int) -> dict[str, Any]:
             with open(path) as f:
                 names = {e.get("name", "") for e in json.load(f).get("traceEvents", [])}
             phases = sorted(n for n in names if n.startswith(("scape/", "topk/")))
+    settings = {k: getattr(opt, k) for k in ("update", "explore", "warmup_steps", "dense_every",
+                                             "error_feedback", "block_size")
+                if isinstance(getattr(opt, k, None), (str, int, float, bool))}
     return {"records": records, "val_curve": val_curve, "params": num_params(module),
-            "wall_s": time.perf_counter() - started, "phases": phases}
+            "wall_s": time.perf_counter() - started, "phases": phases,
+            "optimizer_settings": settings}
 
 
 class _null:
@@ -566,6 +570,7 @@ def summarize(cfg: RunConfig, ranks: list[dict[str, Any]], wall_s: float) -> dic
         "schema": SCHEMA,
         "name": cfg.label,
         "config": dataclasses.asdict(cfg),
+        "optimizer_settings": r0.get("optimizer_settings", {}),
         "params": r0["params"],
         "final_val_loss": val_curve[-1][1] if val_curve else None,
         "val_curve": val_curve,

@@ -44,7 +44,7 @@ def _library_bytes(sparsity: float, world: int) -> tuple[int, int]:
     return sizes[0], sizes[2]
 
 
-RUN_KEYS = {"schema", "name", "config", "params", "final_val_loss", "val_curve", "train_curve",
+RUN_KEYS = {"schema", "name", "config", "optimizer_settings", "params", "final_val_loss", "val_curve", "train_curve",
             "timing_window", "median_step_s", "median_wait_s", "median_compute_s",
             "median_compute_s_by_rank", "step_s", "bytes_per_step", "bytes_per_step_total",
             "bytes_per_step_mean_all_steps", "dense_steps", "phases", "wall_s", "train_wall_s"}
@@ -77,6 +77,10 @@ def test_compare_smoke(tmp_path):
     # every optimizer trained on the same data: the first step's loss is the same
     first = {round(r["train_curve"][0], 5) for r in report["runs"]}
     assert len(first) == 1
+    # the effective settings are recorded (library defaults included)
+    assert by["scape-0.99"]["optimizer_settings"]["warmup_steps"] == 2
+    assert by["scape-0.99"]["optimizer_settings"]["update"] == __import__("inspect").signature(
+        __import__("scape").SCAPE).parameters["update"].default
     # bytes: DDP counts 2 x its fp32 gradient buckets; SCAPE's equal the library's own record
     assert by["adamw_ddp"]["bytes_per_step_total"] == 2 * 4 * by["adams"]["params"]
     dense, _ = _library_bytes(0.0, world)
