@@ -44,7 +44,8 @@ def _library_bytes(sparsity: float, world: int) -> tuple[int, int]:
     return sizes[0], sizes[2]
 
 
-RUN_KEYS = {"schema", "name", "config", "optimizer_settings", "params", "final_val_loss", "val_curve", "train_curve",
+RUN_KEYS = {"schema", "name", "config", "optimizer_settings", "params", "final_val_loss",
+            "val_curve", "train_curve",
             "timing_window", "median_step_s", "median_wait_s", "median_compute_s",
             "median_compute_s_by_rank", "step_s", "bytes_per_step", "bytes_per_step_total",
             "bytes_per_step_mean_all_steps", "dense_steps", "phases", "wall_s", "train_wall_s"}
