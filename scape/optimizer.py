@@ -81,9 +81,10 @@ class SCAPE(ShardedOptimizer):
         explore: fraction of each block's budget chosen by age instead of ``|m|``.
         error_feedback: keep what was not sent in the gradient buffer for later steps.
         update: the sparse-step rule, a key of :data:`scape.rules.RULES`. The default,
-            ``"catchup_accum"``, selects by accumulated mass ``|m|*(age+1)`` and replays the
-            steps a coordinate missed from their mean gradient; it is the best rule of the
-            convergence ablation (bench/README.md). ``"lazy"`` is DESIGN §1's baseline.
+            ``"catchup_sqrt_accum"``, selects by accumulated mass ``|m|*(age+1)`` and moves
+            a coordinate ``sqrt(age+1)`` AdamS steps from the mean of the gradients it
+            missed: the best rule of the convergence ablation at 2,000 steps
+            (bench/README.md). ``"lazy"`` is DESIGN §1's baseline.
         max_grad_norm: clip the synchronized gradient to this norm (None: no clipping).
         grad_comm_dtype: dtype of gradients on the wire (float32, bfloat16, float16).
         comm: a :class:`scape.comm.Communicator`; default: a ``TorchCommunicator`` on the
@@ -96,7 +97,7 @@ class SCAPE(ShardedOptimizer):
                  eps: float = 1e-8, weight_decay: float = 0.0, sparsity: float = 0.99,
                  block_size: int = 4096, warmup_steps: int = 20, dense_every: int = 0,
                  explore: float = 0.1, error_feedback: bool = True,
-                 update: str = "catchup_accum",
+                 update: str = "catchup_sqrt_accum",
                  max_grad_norm: float | None = None,
                  grad_comm_dtype: torch.dtype = torch.float32,
                  comm: Communicator | None = None) -> None:

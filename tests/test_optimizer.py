@@ -209,9 +209,7 @@ def _train_body(rank, world, sparsity):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(),
                                 torch.nn.Linear(64, 8))
-    # the default rule (catch-up) moves a stale coordinate (age+1) steps at once: it wants
-    # an lr near dense AdamS's best, not the 10x larger one the lazy rule tolerates
-    opt = scape.SCAPE(model.parameters(), lr=3e-3, sparsity=sparsity, block_size=256,
+    opt = scape.SCAPE(model.parameters(), lr=1e-2, sparsity=sparsity, block_size=256,
                       warmup_steps=3)
     gen = torch.Generator().manual_seed(123)
     w_true = torch.randn(32, 8, generator=gen)
