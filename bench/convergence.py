@@ -173,6 +173,7 @@ def table(paths: list[str], dense_ref: float | None = None) -> str:
     the sweep's learning rates ran as separate files)."""
     lines = ["| steps | accum | variant | sparsity | final val loss | ratio to dense | command |",
              "|---|---|---|---|---|---|---|"]
+    seen: set[tuple] = set()
     for path in paths:
         with open(path) as f:
             rep = json.load(f)
@@ -181,6 +182,10 @@ def table(paths: list[str], dense_ref: float | None = None) -> str:
         w = rep["workload"]
         for r in rep["results"]:
             v = r["variant"]
+            key = (w["steps"], w["accum"], v["name"], r["final_val_loss"])
+            if key in seen:  # the same run repeated in another file (runs are deterministic)
+                continue
+            seen.add(key)
             ratio = r["final_val_loss"] / dense_ref if dense_ref else r["ratio_to_dense"]
             lines.append(f"| {w['steps']} | {w['accum']} | {v['name'].split('@')[0]} | "
                          f"{v.get('sparsity', 0.0):g} | {r['final_val_loss']:.4f} | "
