@@ -54,6 +54,11 @@ def _specs(dt: str) -> list[tuple[str, object, dict, dict, int]]:
     ]
     f32s = {n: "fp32" for n in ("lr", "beta1", "beta2", "eps")}
     dense = {"TILE": moments.DENSE_TILE, "HAS_OUT": True}
+    sparse_sig = {"p_p": "*fp32", "p_m": "*fp32", "p_age": "*i32", "p_g": f"*{dt}",
+                  "p_idx": "*i16", "p_out": f"*{dt}", "k": "i32", **f32s, "log_decay": "fp32",
+                  "log_beta1": "fp32", "power": "fp32", "BLOCK_SIZE": "constexpr",
+                  "K_TILE": "constexpr", "HAS_DECAY": "constexpr", "HAS_OUT": "constexpr",
+                  "CATCHUP": "constexpr"}
     specs += [
         ("adams_dense_", moments._adams_dense_kernel,
          {"p_p": "*fp32", "p_m": "*fp32", "p_g": f"*{dt}", "p_out": f"*{dt}", "n": "i32",
@@ -64,20 +69,9 @@ def _specs(dt: str) -> list[tuple[str, object, dict, dict, int]]:
           "n": "i32", "beta1": "fp32", "beta2": "fp32", "eps": "fp32", "decay": "fp32",
           "step_size": "fp32", "bias2_sqrt": "fp32", "TILE": "constexpr",
           "HAS_OUT": "constexpr"}, dense, moments.DENSE_WARPS),
-        ("adams_sparse_", moments._adams_sparse_kernel,
-         {"p_p": "*fp32", "p_m": "*fp32", "p_age": "*i32", "p_g": f"*{dt}", "p_idx": "*i16",
-          "p_out": f"*{dt}", "k": "i32", **f32s, "log_decay": "fp32", "log_beta1": "fp32",
-          "power": "fp32",
-          "BLOCK_SIZE": "constexpr", "K_TILE": "constexpr", "HAS_DECAY": "constexpr",
-          "HAS_OUT": "constexpr", "CATCHUP": "constexpr"},
-         {**kc, "HAS_DECAY": True, "HAS_OUT": True, "CATCHUP": False}, 4),
-        ("adams_sparse_ catchup", moments._adams_sparse_kernel,
-         {"p_p": "*fp32", "p_m": "*fp32", "p_age": "*i32", "p_g": f"*{dt}", "p_idx": "*i16",
-          "p_out": f"*{dt}", "k": "i32", **f32s, "log_decay": "fp32", "log_beta1": "fp32",
-          "power": "fp32",
-          "BLOCK_SIZE": "constexpr", "K_TILE": "constexpr", "HAS_DECAY": "constexpr",
-          "HAS_OUT": "constexpr", "CATCHUP": "constexpr"},
-         {**kc, "HAS_DECAY": True, "HAS_OUT": True, "CATCHUP": True}, 4),
+        *[(name, moments._adams_sparse_kernel, sparse_sig,
+           {**kc, "HAS_DECAY": True, "HAS_OUT": True, "CATCHUP": catchup}, 4)
+          for name, catchup in (("adams_sparse_", False), ("adams_sparse_ catchup", True))],
         ("age (+1)", moments._age_kernel, {"p_age": "*i32", "n": "i32", "TILE": "constexpr"},
          {"TILE": moments.DENSE_TILE}, moments.DENSE_WARPS),
         ("grad_stats", stats._grad_stats_kernel,
