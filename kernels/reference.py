@@ -31,6 +31,19 @@ def _top_columns(keys: torch.Tensor, k: int) -> torch.Tensor:
     return torch.topk(keys, k, dim=1, largest=True, sorted=False).indices
 
 
+def _top_exact(order: torch.Tensor, k: int, block_size: int) -> torch.Tensor:
+    """Columns of the ``k`` largest entries per row of int32 ``order``, ties to the lower
+    column. Fast path: one ``torch.topk`` of ``k + 1``; where every row's k-th value is
+    strictly above its (k+1)-th, the top-k *set* is unique and that is the answer. Otherwise
+    (a tie across the boundary) unique int64 keys decide, exactly."""
+    if k >= block_size:
+        return torch.arange(block_size, device=order.device).expand(order.shape[0], -1)
+    top = torch.topk(order, k + 1, dim=1, largest=True, sorted=True)
+    if bool((top.values[:, k - 1] > top.values[:, k]).all()):
+        return top.indices[:, :k]
+    return _top_columns(_unique_keys(order, block_size), k)
+
+
 def blockwise_topk(score: torch.Tensor, k: int, block_size: int, *,
                    age: torch.Tensor | None = None, k_explore: int = 0) -> torch.Tensor:
     """Per block, the ``k - k_explore`` offsets of largest ``|score|`` and then the
@@ -38,10 +51,10 @@ def blockwise_topk(score: torch.Tensor, k: int, block_size: int, *,
 
     Ranking is on the order-preserving integer image of ``|score|`` (the float's bits with
     the sign cleared: non-negative floats order like their bits, and -0.0 becomes 0.0); NaN
-    maps to -1, below every number. Each key is made unique by appending the reversed
-    column, so ties go to the lower offset and one ``torch.topk`` per pass is exact; the
-    already chosen entries are pushed below every key before the ``age`` pass. Only the
-    ``[n_blocks, k]`` result is sorted.
+    maps to -1, below every number. One ``torch.topk`` per pass decides when no tie crosses
+    the k-th place; otherwise each key is made unique by appending the reversed column, so
+    ties go to the lower offset. The already chosen entries are pushed below every age
+    before the ``age`` pass. Only the ``[n_blocks, k]`` result is sorted.
     """
     n_blocks = score.numel() // block_size
     x = score.view(n_blocks, block_size)
@@ -52,13 +65,14 @@ def blockwise_topk(score: torch.Tensor, k: int, block_size: int, *,
     k_top = k - k_explore
     parts = []
     if k_top > 0:
-        parts.append(_top_columns(_unique_keys(bits, block_size), k_top))
+        parts.append(_top_exact(bits, k_top, block_size))
     if k_explore > 0:
         assert age is not None  # validated by the public function
-        keys = _unique_keys(age.view(n_blocks, block_size), block_size)
-        if parts:
-            keys.scatter_(1, parts[0], torch.iinfo(torch.int64).min)
-        parts.append(_top_columns(keys, k_explore))
+        order = age.view(n_blocks, block_size)
+        if parts:  # ages are >= 0: chosen entries go below every eligible one
+            order = order.clone().scatter_(1, parts[0], -1)
+        # ages tie all the time (every coordinate of a mask ages alike): keys at once
+        parts.append(_top_columns(_unique_keys(order, block_size), k_explore))
     cols = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
     return cols.sort(dim=1).values.to(torch.int16)
 

@@ -102,7 +102,8 @@ def accumulated_score(shard: ShardState) -> torch.Tensor:
     coordinate at a rate proportional to ``|m|`` instead of re-sending the same large-``|m|``
     coordinates while the rest wait for ``explore``.
     """
-    return shard.m.abs() * (shard.age.to(torch.float32) + 1.0)
+    mag = shard.m.abs()
+    return mag.addcmul_(mag, shard.age)  # |m| + |m|*age in two passes (age promotes)
 
 
 RULES: dict[str, Rule] = {
