@@ -17,12 +17,16 @@ _CHUNK = 1 << 18  # elements per cache-sized slice of the dense element-wise upd
 
 
 def _unique_keys(order: torch.Tensor, block_size: int) -> torch.Tensor:
-    """int64 keys, one per entry of ``order`` (int32 ``[n_blocks, block_size]``, larger is
+    """Keys, one per entry of ``order`` (int32 ``[n_blocks, block_size]``, larger is
     better), all distinct within a row and ordered like ``order`` with ties going to the
-    lower column: ``order * block_size + (block_size - 1 - column)``."""
-    rank_of_column = torch.arange(block_size - 1, -1, -1, dtype=torch.int64,
-                                  device=order.device)
-    return torch.add(rank_of_column, order, alpha=block_size)  # one int64 pass
+    lower column: ``order * block_size + (block_size - 1 - column)``. int32 when every key
+    fits (ages usually do: with exploration an age stays below about ``block_size``),
+    else int64."""
+    lo, hi = torch.aminmax(order)
+    fits = -(2**31) // block_size < int(lo) and int(hi) < (2**31 - 1) // block_size - 1
+    dtype = torch.int32 if fits else torch.int64
+    rank_of_column = torch.arange(block_size - 1, -1, -1, dtype=dtype, device=order.device)
+    return torch.add(rank_of_column, order, alpha=block_size)  # one pass
 
 
 def _top_columns(keys: torch.Tensor, k: int) -> torch.Tensor:
