@@ -27,6 +27,17 @@ DENSE_ALIGN = 128
 """Shard alignment (elements) of buckets that are always dense (no block structure)."""
 
 
+def flat_layout(params: Sequence[torch.Tensor], unit: int) -> tuple[list[int], list[int], int]:
+    """``(numels, offsets, n_pad)`` of ``params`` laid end to end in one flat buffer:
+    ``offsets[i]`` is where parameter ``i`` starts (``offsets[-1]`` is the total) and ``n_pad``
+    the total rounded up to a multiple of ``unit``."""
+    numels = [p.numel() for p in params]
+    offsets = [0]
+    for n in numels:
+        offsets.append(offsets[-1] + n)
+    return numels, offsets, -(-offsets[-1] // unit) * unit
+
+
 class Bucket:
     """The flat buffers of one param group and dtype, and this rank's shard of them."""
 
@@ -38,13 +49,8 @@ class Bucket:
         self.group = group
         self.dtype = params[0].dtype
         self.device = params[0].device
-        self.numels = [p.numel() for p in params]
-        self.offsets = [0]
-        for n in self.numels:
-            self.offsets.append(self.offsets[-1] + n)
+        self.numels, self.offsets, self.n_pad = flat_layout(params, world * align)
         self.numel = self.offsets[-1]
-        unit = world * align
-        self.n_pad = -(-self.numel // unit) * unit
         self.shard_size = self.n_pad // world
         self.shard_start = rank * self.shard_size
         self.world, self.rank = world, rank

@@ -38,6 +38,7 @@ import torch
 
 from scape import config
 from scape.agreement import agree, digest, tensor_digest
+from scape.buffers import flat_layout
 from scape.comm import Communicator, TorchCommunicator
 from scape.profiling import phase
 from scape.step_info import StepInfo
@@ -106,14 +107,10 @@ class LocalSGD(torch.optim.Optimizer):
         self.sync_every = sync_every
         self.params = trainable
         self.device = trainable[0].device
-        self.numels = [p.numel() for p in trainable]
-        self.offsets = [0]
-        for n in self.numels:
-            self.offsets.append(self.offsets[-1] + n)
-        self.numel = self.offsets[-1]
         if align_to_world:
             align *= self.comm.world_size
-        self.n_pad = -(-self.numel // align) * align
+        self.numels, self.offsets, self.n_pad = flat_layout(trainable, align)
+        self.numel = self.offsets[-1]
         self.synced = torch.zeros(self.n_pad, dtype=torch.float32, device=self.device)
         """theta_synced, the outer master weights (fp32, padded)."""
         for p, o, n in zip(self.params, self.offsets, self.numels):
