@@ -389,6 +389,8 @@ def _rank_main(rank: int, world: int, cfg_dict: dict[str, Any], init_file: str,
                                 world_size=world,
                                 timeout=datetime.timedelta(seconds=cfg.timeout_s))
         q.put(("result", rank, _train(cfg, rank, world)))
+        q.close()
+        q.join_thread()  # the result is in the pipe before any teardown below
     except BaseException:  # noqa: BLE001 - report everything to the parent
         q.put(("error", rank, traceback.format_exc()))
         raise SystemExit(1) from None
@@ -451,6 +453,7 @@ def _train(cfg: RunConfig, rank: int, world: int) -> dict[str, Any]:
                         "train_loss": float(loss_sum) / cfg.grad_accum,
                         "dense": bool(getattr(getattr(opt, "last_step", None), "dense", True))})
         if prof is not None and cfg.profile_dir is not None and step + 1 == prof_steps.stop - 1:
+            _drain(opt)  # no collective may still be recording when the profiler stops
             prof.__exit__(None, None, None)
             os.makedirs(cfg.profile_dir, exist_ok=True)
             prof.export_chrome_trace(os.path.join(cfg.profile_dir, f"trace_rank{rank}.json"))
@@ -482,6 +485,17 @@ def _train(cfg: RunConfig, rank: int, world: int) -> dict[str, Any]:
     return {"records": records, "val_curve": val_curve, "params": num_params(module),
             "wall_s": time.perf_counter() - started, "phases": phases,
             "optimizer_settings": settings}
+
+
+def _drain(opt: Any) -> None:
+    """Wait for every collective the optimizer still has in flight (parameter all-gathers,
+    SCAPE's next-mask all-gather). Stopping torch.profiler while gloo's threads still run a
+    collective crashed ranks (SIGSEGV) intermittently on CPU."""
+    if hasattr(opt, "finish_param_sync"):
+        opt.finish_param_sync()
+    for mask in getattr(opt, "masks", None) or []:
+        if mask is not None:
+            mask.wait()
 
 
 class _null:
@@ -546,8 +560,9 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     if errors or len(results) < cfg.world:
         missing = [r for r in range(cfg.world) if r not in results and r not in errors]
         text = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items()))
+        codes = ", ".join(f"rank {r}: {p.exitcode}" for r, p in enumerate(procs))
         raise RuntimeError(f"run {cfg.label} failed; ranks without a result: "
-                           f"{sorted(errors) + missing}\n{text}")
+                           f"{sorted(errors) + missing} (exit codes {codes})\n{text}")
     return summarize(cfg, [results[r] for r in range(cfg.world)],
                      time.perf_counter() - started)
 
