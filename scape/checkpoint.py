@@ -123,9 +123,8 @@ def load_sharded_state(opt: Any, state: Any) -> list[dict[str, Any]]:
                 s.extra[k].copy_(_reshard([e["extra"][k] for e in entries], b))
             residual = torch.stack([e["residual"].cpu()[:b.numel] for e in entries]).mean(0)
             b.grad_flat.copy_(_repad(residual, b.numel, b.n_pad).to(dev))
-        extras.append({k: v for k, v in entries[0].items()
+        extras.append({k: v.to(dev) for k, v in entries[0].items()
                        if k.startswith("mask") and v is not None})
-        extras[-1] = {k: v.to(dev) for k, v in extras[-1].items()}
 
     opt._step = states[0]["step"]
     opt._load_counters(states[0]["counters"])

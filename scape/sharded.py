@@ -224,8 +224,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def _hp(self, bucket: Bucket) -> dict:
         g = self.param_groups[bucket.group]
-        lr = g["lr"]
-        return {"lr": float(lr), "beta1": g["betas"][0], "beta2": g["betas"][1],
+        return {"lr": float(g["lr"]), "beta1": g["betas"][0], "beta2": g["betas"][1],
                 "eps": g["eps"], "weight_decay": g["weight_decay"]}
 
     # ------------------------------------------------------------------- the step
