@@ -14,6 +14,13 @@ token budget and LR schedule (:mod:`bench.runner`):
 ``compute_only``    SCAPE-0.99's per-rank work with no collectives (the step-time floor)
 ==================  ==================================================================
 
+Opt-in local-step rows (:mod:`bench.local_sgd_opts`, AdamW inner optimizer at the same lr):
+``sparseloco-h<H>-d<density>[-b<bits>]`` (``scape.SparseLoCo``, 2-bit values unless ``-b``
+says otherwise) and ``diloco-h<H>`` (``scape.DiLoCo``). They communicate only every ``H``
+steps, so their bytes per step are the mean over all steps (a sync's bytes / H), not the
+per-step median; the table marks them. When ``steps`` is not a multiple of ``H`` a warning is
+printed and stored in the report: the final loss is then not taken right after a sync.
+
 Each run is ``python -m bench.runner`` in a subprocess; with ``--bandwidth RATE`` that
 subprocess and its ranks run inside a fresh network namespace whose loopback is shaped to RATE
 (:mod:`bench.netns`; default 100mbit where root and tc are available, else the plain loopback
@@ -23,6 +30,7 @@ bench/README.md), ``report.md``, ``loss.png``, ``bytes.png`` and ``runs/NAME.jso
     python -m bench.compare                      # the defaults (about 10 minutes on 2 cores)
     python -m bench.compare --smoke              # tiny model, W=2, a few steps, no shaping
     python -m bench.compare --optimizers adams scape-0.99 compute_only --steps 40
+    python -m bench.compare --optimizers adams scape-0.99 sparseloco-h8-d0.01 diloco-h8
 """
 
 from __future__ import annotations
@@ -43,6 +51,13 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from bench.local_sgd_opts import (
+    NAME_FORMS,
+    is_local_name,
+    parse_local_name,
+    steady_bytes,
+    sync_warning,
+)
 from bench.report import fmt, markdown_table, plot_bytes, plot_loss
 from bench.runner import RunConfig
 
@@ -75,11 +90,18 @@ TARGETS = (
 
 
 def parse_name(name: str) -> tuple[str, float]:
-    """``"scape-0.99"`` -> ``("scape", 0.99)``; ``"adams"`` -> ``("adams", 0.0)``."""
+    """``"scape-0.99"`` -> ``("scape", 0.99)``; ``"adams"`` -> ``("adams", 0.0)``;
+    ``"sparseloco-h8-d0.01"`` -> ``("sparseloco", 0.0)`` (its settings:
+    :func:`bench.local_sgd_opts.parse_local_name`)."""
+    if is_local_name(name):
+        try:
+            return parse_local_name(name)[0], 0.0
+        except ValueError as e:
+            raise ValueError(f"--optimizers: {e}") from None
     opt, _, sp = name.partition("-")
     if opt not in ("adamw_ddp", "dist_adamw", "adams", "scape", "topk", "compute_only"):
         raise ValueError(f"--optimizers: unknown optimizer {name!r} (expected one of "
-                         f"{DEFAULT_OPTIMIZERS}, sparsity after '-')")
+                         f"{DEFAULT_OPTIMIZERS}, sparsity after '-', or {NAME_FORMS})")
     if opt in ("scape", "topk") and not sp:
         raise ValueError(f"--optimizers: {name!r} needs a sparsity, e.g. {opt}-0.99")
     if opt == "compute_only":
@@ -99,6 +121,8 @@ def make_configs(names: list[str], w: dict[str, Any], data: str | None, profile_
         opt, sp = parse_name(name)
         kwargs = {"warmup_steps": w["warmup_steps"]} if opt in ("scape", "topk",
                                                                 "compute_only") else {}
+        if is_local_name(name):
+            kwargs = parse_local_name(name)[1]
         cfgs.append(RunConfig(
             optimizer=opt, sparsity=sp if opt != "adams" else 0.0, optimizer_kwargs=kwargs,
             model=w["model"], world=w["world"], steps=w["steps"], batch=w["batch"],
@@ -174,22 +198,45 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return None if a is None or b is None or b == 0 else a / b
 
 
+def sync_warnings(cfgs: list[RunConfig]) -> list[str]:
+    """A warning per local-step row whose ``steps`` is not a multiple of its ``H``."""
+    out = []
+    for c in cfgs:
+        if c.optimizer in ("sparseloco", "diloco"):
+            text = sync_warning(c.label, c.optimizer_kwargs["sync_every"], c.steps)
+            if text:
+                out.append(text)
+    return out
+
+
+def _mean_step(r: dict[str, Any]) -> float | None:
+    first, last = r.get("timing_window") or (1, 0)
+    steps = (r.get("step_s") or [])[first - 1:last]
+    return sum(steps) / len(steps) if steps else None
+
+
 def build_table(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One row per run with its ratios to dense AdamS (loss, bytes) and to compute-only."""
+    """One row per run with its ratios to dense AdamS (loss, bytes) and to compute-only.
+
+    ``bytes_per_step`` is :func:`bench.local_sgd_opts.steady_bytes`: the per-step median for
+    optimizers that communicate every step, the mean over all steps for the local-step ones
+    (``bytes_basis`` says which)."""
     by = {r["name"]: r for r in runs}
     dense, floor = by.get("adams", {}), by.get("compute_only", {})
+    dense_bytes = steady_bytes(dense)[0] if dense else None
     rows = []
     for r in runs:
+        nbytes, basis = steady_bytes(r)
         rows.append({
             "name": r["name"], "optimizer": r["config"]["optimizer"],
             "sparsity": r["config"]["sparsity"],
             "final_val_loss": r["final_val_loss"],
             "val_ratio_to_adams": _ratio(r["final_val_loss"],
                                          dense.get("final_val_loss")),
-            "bytes_per_step": r["bytes_per_step_total"],
-            "bytes_ratio_to_adams": _ratio(r["bytes_per_step_total"],
-                                           dense.get("bytes_per_step_total")),
+            "bytes_per_step": nbytes, "bytes_basis": basis,
+            "bytes_ratio_to_adams": _ratio(nbytes, dense_bytes),
             "median_step_s": r["median_step_s"],
+            "mean_step_s": _mean_step(r),
             "step_ratio_to_compute_only": _ratio(r["median_step_s"],
                                                  floor.get("median_step_s")),
             "median_compute_s": r["median_compute_s"],
@@ -223,8 +270,9 @@ def render_markdown(report: dict[str, Any]) -> str:
     rows = []
     for t in report["table"]:
         b_ratio = t["bytes_ratio_to_adams"]
+        mean = t.get("bytes_basis") == "mean_all_steps"
         rows.append([t["name"], fmt(t["final_val_loss"]), fmt(t["val_ratio_to_adams"], ".3f"),
-                     fmt(int(t["bytes_per_step"])),
+                     fmt(int(t["bytes_per_step"])) + (" *" if mean else ""),
                      "-" if not b_ratio else f"{b_ratio:.4f} (1/{1 / b_ratio:.0f})",
                      fmt(None if t["median_step_s"] is None else t["median_step_s"] * 1e3, ".1f"),
                      fmt(t["step_ratio_to_compute_only"], ".2f")])
@@ -235,6 +283,15 @@ def render_markdown(report: dict[str, Any]) -> str:
                              [[t["target"], fmt(t["value"], ".4g"),
                                {True: "yes", False: "**no**", None: "-"}[t["met"]]]
                               for t in report["targets"]])
+    notes = ""
+    if any(t.get("bytes_basis") == "mean_all_steps" for t in report["table"]):
+        notes += ("\n\n\\* local-step method: communicates only every H steps, so its bytes "
+                  "are the mean over all steps (`bytes_per_step_mean_all_steps`: a sync's bytes "
+                  "/ H, averaged over the sync periods), not the per-step median (0); its "
+                  "median step is a step without a sync (`mean_step_s` in report.json "
+                  "includes the syncs).")
+    for text in report.get("warnings", []):
+        notes += f"\n\n{text}"
     w = report["workload"]
     return (f"# bench.compare\n\n`{report['command']}` on {report['machine']['cpus']} CPU "
             f"cores, {report['date']}; link: {report['bandwidth'] or 'unshaped loopback'}; "
@@ -242,7 +299,7 @@ def render_markdown(report: dict[str, Any]) -> str:
             f"{w['steps']} steps of {w['batch']}x{w['seq']} tokens per rank, lr {w['lr']:g}, "
             f"SCAPE/top-k dense warm-up {w['warmup_steps']} steps; medians over steps "
             f"{report['timing_window'][0]}-{report['timing_window'][1]}. "
-            f"Wall time {report['wall_s']:.0f} s.\n\n{table}\n\n## Targets\n\n{targets}\n")
+            f"Wall time {report['wall_s']:.0f} s.\n\n{table}{notes}\n\n## Targets\n\n{targets}\n")
 
 
 def resolve_bandwidth(arg: str) -> tuple[str | None, str]:
@@ -293,7 +350,13 @@ def main(argv: list[str] | None = None) -> int:
     print(note, flush=True)
     os.makedirs(os.path.join(args.out, "runs"), exist_ok=True)
     profile_dir = os.path.join(args.out, "profile") if args.profile else None
-    cfgs = make_configs(args.optimizers, w, args.data, profile_dir, args.timeout)
+    try:
+        cfgs = make_configs(args.optimizers, w, args.data, profile_dir, args.timeout)
+    except ValueError as e:
+        ap.error(str(e))
+    warnings = sync_warnings(cfgs)
+    for text in warnings:
+        print(text, flush=True)
 
     started = time.perf_counter()
     runs: list[dict[str, Any]] = []
@@ -318,7 +381,7 @@ def main(argv: list[str] | None = None) -> int:
                     "python": platform.python_version()},
         "bandwidth": bandwidth, "bandwidth_note": note,
         "workload": w, "params": runs[0]["params"], "timing_window": runs[0]["timing_window"],
-        "table": build_table(runs), "targets": evaluate_targets(runs),
+        "table": build_table(runs), "targets": evaluate_targets(runs), "warnings": warnings,
         "profile_phases": {r["name"]: r["phases"] for r in runs} if args.profile else None,
         "wall_s": time.perf_counter() - started,
         "runs": runs,
@@ -330,7 +393,9 @@ def main(argv: list[str] | None = None) -> int:
         f.write(md)
     title = f"W={w['world']}, {bandwidth or 'unshaped'}"
     plot_loss(runs, os.path.join(args.out, "loss.png"), f"validation loss ({title})")
-    plot_bytes(runs, os.path.join(args.out, "bytes.png"), f"bytes per step per rank ({title})")
+    plot_bytes([dict(r, bytes_per_step={"mean over all steps": r["bytes_per_step_mean_all_steps"]})
+                if steady_bytes(r)[1] == "mean_all_steps" else r for r in runs],
+               os.path.join(args.out, "bytes.png"), f"bytes per step per rank ({title})")
     print(md)
     if args.profile:
         for r in runs:

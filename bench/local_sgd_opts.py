@@ -14,6 +14,10 @@ the mean over all steps (``bytes_per_step_mean_all_steps``), which is the averag
 period when ``steps`` is a multiple of every ``H`` (the final validation loss is then also
 taken right after a sync, on the synchronized model).
 
+Row names (:func:`parse_local_name`, shared by ``bench.compare --optimizers`` and
+``bench.convergence --local``): ``sparseloco-h<H>-d<density>[-b<bits>]`` (2-bit values by
+default) and ``diloco-h<H>``; the other outer hyperparameters are the library's defaults.
+
 Running this module compares them with dense sharded AdamS and SCAPE on one workload and
 token budget (:data:`WORKLOAD`: ``bench.compare``'s workload as it was measured for the
 README, with ``steps`` a multiple of 32):
@@ -28,6 +32,7 @@ import argparse
 import datetime
 import json
 import os
+import re
 import time
 from typing import Any
 
@@ -39,6 +44,77 @@ LOCAL_SGD = ("sparseloco", "diloco")
 WORKLOAD = dict(model="small", world=4, steps=64, batch=4, seq=128, lr=3e-3, warmup_steps=20,
                 eval_every=64, eval_seqs=64)
 """The workload of the README's table (SCAPE's dense warm-up: ``warmup_steps``)."""
+
+
+NAME_FORMS = ("sparseloco-h<H>-d<density>[-b<bits>] (e.g. sparseloco-h8-d0.01, "
+              "sparseloco-h32-d0.03-b4; 2-bit values unless -b says otherwise) or "
+              "diloco-h<H> (e.g. diloco-h8)")
+"""The row names ``bench.compare --optimizers`` and ``bench.convergence --local`` accept."""
+
+_SPARSELOCO_NAME = re.compile(
+    r"sparseloco-h(?P<h>[0-9]+)-d(?P<d>[0-9.eE+-]+?)(?:-b(?P<b>[0-9]+))?")
+_DILOCO_NAME = re.compile(r"diloco-h(?P<h>[0-9]+)")
+
+
+def is_local_name(name: str) -> bool:
+    """Whether ``name`` asks for a local-step row (``sparseloco-...`` or ``diloco-...``)."""
+    return name.split("-")[0] in LOCAL_SGD
+
+
+def parse_local_name(name: str) -> tuple[str, dict[str, Any]]:
+    """``(RunConfig.optimizer, optimizer_kwargs)`` of a local-step row name.
+
+    ``"sparseloco-h8-d0.01"`` -> ``("sparseloco", {"sync_every": 8, "density": 0.01,
+    "value_bits": 2})``; ``"sparseloco-h32-d0.03-b4"`` has ``"value_bits": 4``;
+    ``"diloco-h32"`` -> ``("diloco", {"sync_every": 32})``. The other outer hyperparameters
+    are the library's defaults. Raises ``ValueError`` naming the expected forms.
+    """
+    from scape.sparseloco import VALUE_BITS
+
+    def bad(why: str) -> ValueError:
+        return ValueError(f"bad local-step row name {name!r}: {why}; expected {NAME_FORMS}")
+
+    m = _SPARSELOCO_NAME.fullmatch(name) or _DILOCO_NAME.fullmatch(name)
+    if m is None:
+        raise bad("it matches neither form")
+    h = int(m["h"])
+    if h < 1:
+        raise bad(f"H must be >= 1, got {h}")
+    if name.startswith("diloco"):
+        return "diloco", {"sync_every": h}
+    try:
+        density = float(m["d"])
+    except ValueError:
+        raise bad(f"density {m['d']!r} is not a number") from None
+    if not 0.0 < density <= 1.0:
+        raise bad(f"density must be in (0, 1], got {density:g}")
+    bits = int(m["b"]) if m["b"] else 2
+    if bits not in VALUE_BITS:
+        raise bad(f"bits must be one of {VALUE_BITS}, got {bits}")
+    return "sparseloco", {"sync_every": h, "density": density, "value_bits": bits}
+
+
+def sync_warning(name: str, sync_every: int, steps: int) -> str | None:
+    """The warning printed when ``steps`` is not a multiple of ``H``, else None."""
+    if steps % sync_every == 0:
+        return None
+    return (f"warning: {name}: {steps} steps is not a multiple of H={sync_every}; its final "
+            f"validation loss is rank 0's local model {steps % sync_every} steps after the "
+            f"last sync (step {steps - steps % sync_every}), not a synchronized model, and its "
+            "bytes per step average over an incomplete sync period")
+
+
+def steady_bytes(run: dict[str, Any]) -> tuple[float, str]:
+    """``(bytes per step per rank, basis)`` of a ``bench.runner`` result for comparisons.
+
+    ``basis`` is ``"median"`` (the runner's per-step median over the timing window, for
+    optimizers that communicate every step) or ``"mean_all_steps"`` for the local-step ones,
+    whose median is 0: the mean over all steps, i.e. bytes per sync / H averaged over the
+    sync periods of the run.
+    """
+    if run["config"]["optimizer"] in LOCAL_SGD:
+        return float(run["bytes_per_step_mean_all_steps"]), "mean_all_steps"
+    return float(run["bytes_per_step_total"]), "median"
 
 
 def build_local_sgd(name: str, groups: list[dict[str, Any]], cfg: Any, comm: Any) -> Any:
@@ -102,8 +178,7 @@ def table(runs: list[dict[str, Any]]) -> str:
     from bench.report import fmt, markdown_table
 
     def steady(r: dict[str, Any]) -> float:
-        local = r["config"]["optimizer"] in LOCAL_SGD
-        return r["bytes_per_step_mean_all_steps"] if local else r["bytes_per_step_total"]
+        return steady_bytes(r)[0]
 
     dense = next((r for r in runs if r["name"] == "adams"), None)
     rows = []

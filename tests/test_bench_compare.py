@@ -10,7 +10,16 @@ import pytest
 import torch
 from dist import run_ranks
 
-from bench.compare import build_table, evaluate_targets, parse_name
+from bench.compare import (
+    DEFAULTS,
+    build_table,
+    evaluate_targets,
+    make_configs,
+    parse_name,
+    render_markdown,
+    sync_warnings,
+)
+from bench.local_sgd_opts import parse_local_name
 from bench.runner import RunConfig, lr_at, summarize
 from bench.topk_baseline import TopKAdamS
 
@@ -214,7 +223,9 @@ def test_compare_table_and_targets():
 
 @pytest.mark.parametrize("name, expected", [("scape-0.9", ("scape", 0.9)),
                                             ("adamw_ddp", ("adamw_ddp", 0.0)),
-                                            ("compute_only", ("compute_only", 0.99))])
+                                            ("compute_only", ("compute_only", 0.99)),
+                                            ("sparseloco-h8-d0.01", ("sparseloco", 0.0)),
+                                            ("diloco-h32", ("diloco", 0.0))])
 def test_parse_name(name, expected):
     assert parse_name(name) == expected
 
@@ -224,3 +235,77 @@ def test_parse_name_rejects():
         parse_name("sgd")
     with pytest.raises(ValueError, match="needs a sparsity"):
         parse_name("scape")
+
+
+@pytest.mark.parametrize("name, expected", [
+    pytest.param("sparseloco-h8-d0.01", ("sparseloco", {"sync_every": 8, "density": 0.01,
+                                                        "value_bits": 2}), id="2-bit-default"),
+    pytest.param("sparseloco-h32-d0.03-b4", ("sparseloco", {"sync_every": 32, "density": 0.03,
+                                                            "value_bits": 4}), id="4-bit"),
+    pytest.param("sparseloco-h1-d1e-3-b32", ("sparseloco", {"sync_every": 1, "density": 1e-3,
+                                                            "value_bits": 32}), id="exp-density"),
+    pytest.param("diloco-h32", ("diloco", {"sync_every": 32}), id="diloco"),
+])
+def test_parse_local_name(name, expected):
+    assert parse_local_name(name) == expected
+
+
+@pytest.mark.parametrize("name, why", [
+    pytest.param("sparseloco-h8", "matches neither form", id="no-density"),
+    pytest.param("sparseloco-d0.01", "matches neither form", id="no-H"),
+    pytest.param("sparseloco-h0-d0.01", "H must be >= 1, got 0", id="H-zero"),
+    pytest.param("sparseloco-h8-d0", r"density must be in \(0, 1\], got 0", id="density-0"),
+    pytest.param("sparseloco-h8-d1.5", r"density must be in \(0, 1\], got 1.5", id="density>1"),
+    pytest.param("sparseloco-h8-d0.01-b3", r"bits must be one of \(2, 4, 8, 16, 32\), got 3",
+                 id="bits"),
+    pytest.param("sparseloco-h8-d0..1", "density '0..1' is not a number", id="density-nan"),
+    pytest.param("diloco", "matches neither form", id="diloco-no-H"),
+    pytest.param("diloco-8", "matches neither form", id="diloco-bare-number"),
+])
+def test_parse_local_name_rejects_with_the_expected_form(name, why):
+    with pytest.raises(ValueError, match=why) as info:
+        parse_local_name(name)
+    assert "expected sparseloco-h<H>-d<density>[-b<bits>]" in str(info.value)
+    assert "diloco-h<H>" in str(info.value)
+    with pytest.raises(ValueError, match="--optimizers: bad local-step row name"):
+        parse_name(name)
+
+
+def test_make_configs_local_rows_and_sync_warnings():
+    w = dict(DEFAULTS, steps=40)
+    cfgs = make_configs(["adams", "sparseloco-h8-d0.03-b4", "diloco-h32"], w, None, None, 60.0)
+    assert [c.optimizer for c in cfgs] == ["adams", "sparseloco", "diloco"]
+    assert cfgs[1].optimizer_kwargs == {"sync_every": 8, "density": 0.03, "value_bits": 4}
+    assert cfgs[2].optimizer_kwargs == {"sync_every": 32} and cfgs[2].sparsity == 0.0
+    assert cfgs[1].label == "sparseloco-h8-d0.03-b4"
+    # 40 steps: a multiple of 8, not of 32 (the last sync is at step 32, 8 steps before)
+    (warning,) = sync_warnings(cfgs)
+    assert "diloco-h32" in warning and "not a multiple of H=32" in warning
+    assert "8 steps after the last sync (step 32)" in warning
+    assert sync_warnings(make_configs(["diloco-h8"], w, None, None, 60.0)) == []
+
+
+def test_compare_table_uses_the_mean_bytes_of_local_step_rows():
+    gen = torch.Generator().manual_seed(11)
+    v = (torch.rand(3, 3, generator=gen) + 0.5).tolist()
+    names = ["adams", "sparseloco-h8-d0.01", "diloco-h8"]
+    runs = [{"name": n, "config": {"optimizer": parse_name(n)[0], "sparsity": 0.0},
+             "final_val_loss": a, "median_step_s": b, "median_compute_s": b / 2,
+             "timing_window": [2, 4], "step_s": [9.0, b, 2 * b, 3 * b],
+             "bytes_per_step_total": 0.0 if n != "adams" else c * 1e6,
+             "bytes_per_step_mean_all_steps": c * 1e3 if n != "adams" else c * 1e6}
+            for n, (a, b, c) in zip(names, v)]
+    table = {row["name"]: row for row in build_table(runs)}
+    assert table["adams"]["bytes_basis"] == "median"
+    for n, r in zip(names[1:], runs[1:]):
+        row = table[n]
+        assert row["bytes_basis"] == "mean_all_steps"
+        assert row["bytes_per_step"] == r["bytes_per_step_mean_all_steps"]
+        assert row["bytes_ratio_to_adams"] == pytest.approx(
+            r["bytes_per_step_mean_all_steps"] / runs[0]["bytes_per_step_total"])
+        assert row["mean_step_s"] == pytest.approx(2 * r["median_step_s"])  # steps 2..4
+    report = {"table": list(table.values()), "targets": [], "warnings": ["warning: x"],
+              "command": "c", "machine": {"cpus": 2}, "date": "d", "bandwidth": None,
+              "workload": dict(DEFAULTS), "params": 1, "timing_window": [2, 4], "wall_s": 1.0}
+    md = render_markdown(report)
+    assert md.count(" * |") == 2 and "not the per-step median" in md and "warning: x" in md

@@ -108,6 +108,59 @@ def test_compare_smoke(tmp_path):
     assert "| optimizer | final val loss |" in (out / "report.md").read_text()
 
 
+def _sparseloco_bytes_per_step(params: int, world: int, sync_every: int, density: float,
+                               bits: int, block: int = 4096) -> float:
+    """README's SparseLoCo formula: a rank's record is ``4 * n_blocks + 2 * K +
+    ceil(K * bits / 8)`` bytes, ``comm.stats`` counts ``W`` records per sync, / H per step."""
+    n_blocks = -(-params // block)
+    k = n_blocks * max(1, round(density * block))
+    record = 4 * n_blocks + 2 * k + -(-k * bits // 8)
+    return world * record / sync_every
+
+
+@pytest.mark.timeout(150)
+def test_compare_local_step_rows_smoke(tmp_path):
+    out = tmp_path / "out"
+    steps = 8
+    stdout = _run(["bench.compare", "--smoke", "--steps", str(steps), "--optimizers", "adams",
+                   "sparseloco-h4-d0.03", "diloco-h3", "--out", str(out)], timeout=130)
+    report = json.loads((out / "report.json").read_text())
+    assert report["schema"] == "scape.compare/1"
+    by = {r["name"]: r for r in report["runs"]}
+    assert list(by) == ["adams", "sparseloco-h4-d0.03", "diloco-h3"]
+    world, params = report["workload"]["world"], report["params"]
+    assert world == 2
+    for r in report["runs"]:
+        assert set(r) == RUN_KEYS and r["val_curve"][-1][0] == steps
+        assert 0 < r["final_val_loss"] < 6
+    assert by["sparseloco-h4-d0.03"]["config"]["optimizer_kwargs"] == {
+        "sync_every": 4, "density": 0.03, "value_bits": 2}
+    # nothing moves between syncs: the per-step median is 0, the mean is the sync's share
+    sl, dl = by["sparseloco-h4-d0.03"], by["diloco-h3"]
+    assert sl["bytes_per_step_total"] == 0 and dl["bytes_per_step_total"] == 0
+    assert sl["bytes_per_step_mean_all_steps"] == pytest.approx(
+        _sparseloco_bytes_per_step(params, world, 4, 0.03, 2), rel=1e-12)
+    # DiLoCo: 8 * N_pad per sync (N_pad: N padded to a multiple of W); 8 steps hold 2 syncs
+    # of H = 3, so the mean covers an incomplete period and the run warns about it
+    n_pad = -(-params // world) * world
+    assert dl["bytes_per_step_mean_all_steps"] == pytest.approx(
+        (steps // 3) * 8 * n_pad / steps, rel=1e-12)
+    (warning,) = report["warnings"]
+    assert "diloco-h3" in warning and "not a multiple of H=3" in warning and warning in stdout
+    table = {t["name"]: t for t in report["table"]}
+    dense = by["adams"]["bytes_per_step_total"]
+    assert table["adams"]["bytes_basis"] == "median" and table["adams"]["bytes_per_step"] == dense
+    for name in ("sparseloco-h4-d0.03", "diloco-h3"):
+        row = table[name]
+        assert row["bytes_basis"] == "mean_all_steps"
+        assert row["bytes_per_step"] == by[name]["bytes_per_step_mean_all_steps"]
+        assert row["bytes_ratio_to_adams"] == pytest.approx(row["bytes_per_step"] / dense)
+        assert row["mean_step_s"] > 0
+    md = (out / "report.md").read_text()
+    assert f"| {int(table['diloco-h3']['bytes_per_step']):,} * |" in md
+    assert "not the per-step median" in md
+
+
 @pytest.mark.timeout(120)
 def test_step_time_smoke(tmp_path):
     out = tmp_path / "step_time.json"
