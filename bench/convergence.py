@@ -15,7 +15,22 @@ through :mod:`bench.runner` (same data, schedule and seed) to confirm the equiva
 this workload. (The raw-gradient top-k peer
 baseline is *not* W-invariant; it is measured by ``bench.compare`` on W ranks.)
 
+**Local-step rows** (``--local``): SparseLoCo and DiLoCo are *not* W-invariant either (each
+rank trains alone between syncs), so they run on ``--world`` gloo ranks (default 4) through
+:mod:`bench.runner`, each rank on its ``1/W`` of the same global batch: the same tokens, lr
+schedule, seed, data order and validation windows as the single-process rows. The inner
+optimizer is AdamW (:func:`bench.local_sgd_opts.build_local_sgd`) at the ablation's lr (the
+dense sweep's choice, or ``--local-lr``, which labels the rows). Row names are
+``sparseloco-h<H>-d<density>[-b<bits>]`` and ``diloco-h<H>`` (``all``: :data:`LOCAL_ROWS`).
+They are evaluated at sync points (every multiple of ``H`` near ``eval_every``) and at the
+end; when ``steps`` is not a multiple of ``H`` a warning is printed and the row also records
+its loss at the last sync. Every row records its bytes per step per rank (mean over the run;
+the single-process rows count at W=1, which differs from W ranks only by padding), and the
+report has dense sharded AdamS's ``N_pad * (4 + 4) + 8`` at ``--world`` for reference.
+
     python -m bench.convergence --steps 400 --out bench/results/convergence_400.json
+    python -m bench.convergence --steps 400 --lr 0.0003 --dense-loss 2.2193 --variants none \
+        --local sparseloco-h8-d0.01 diloco-h8 --threads 1 --out bench/results/local.json
     python -m bench.convergence --smoke            # seconds; CI checks the schema
 """
 
@@ -35,6 +50,7 @@ import torch
 
 from bench.data import batch_at, eval_loss, load_corpus
 from bench.gpt import GPT, get_config, num_params, param_groups
+from bench.local_sgd_opts import LOCAL_SGD, parse_local_name, sync_warning
 from bench.runner import RunConfig, lr_at, run
 
 SCHEMA = "scape.convergence/1"
@@ -69,15 +85,24 @@ class Workload:
 
 
 def run_config(variant: dict[str, Any], w: Workload, world: int) -> RunConfig:
-    """The same run as :func:`train` for :mod:`bench.runner` on ``world`` ranks."""
+    """The same run as :func:`train` for :mod:`bench.runner` on ``world`` ranks (a local-step
+    variant, ``optimizer`` in ``LOCAL_SGD``, is evaluated at multiples of its ``H``)."""
+    if w.batch % world:
+        raise ValueError(f"the global batch of {w.batch} sequences does not split over "
+                         f"{world} ranks; pick a world size that divides it")
     kw = {k: v for k, v in variant.items() if k not in ("name", "optimizer", "lr", "sparsity")}
-    sparse = variant.get("sparsity", 0.0) > 0
-    return RunConfig(optimizer="scape" if sparse else "adams",
-                     sparsity=variant.get("sparsity", 0.0), optimizer_kwargs=kw,
+    kind, sparsity, eval_every = variant.get("optimizer"), variant.get("sparsity", 0.0), \
+        w.eval_every
+    if kind in LOCAL_SGD:
+        h = kw["sync_every"]
+        eval_every = max(h, w.eval_every // h * h)
+    else:
+        kind = "scape" if sparsity > 0 else "adams"
+    return RunConfig(optimizer=kind, sparsity=sparsity, optimizer_kwargs=kw,
                      model=w.model, world=world, steps=w.steps, batch=w.batch // world,
                      grad_accum=w.accum, seq=w.seq, lr=variant["lr"],
                      warmup_frac=w.warmup_frac, weight_decay=w.weight_decay, seed=w.seed,
-                     eval_every=w.eval_every, eval_seqs=w.eval_seqs, threads=1,
+                     eval_every=eval_every, eval_seqs=w.eval_seqs, threads=1,
                      log_every=max(1, w.steps // 4), timeout_s=7200.0,
                      name=variant["name"] + f"@W{world}")
 
@@ -106,6 +131,7 @@ def train(variant: dict[str, Any], w: Workload, corpus: Any, rank: int = 0, worl
     curve, train_curve = [], []
     t0 = time.perf_counter()
     diag: dict[str, float] = {}
+    sent = 0
     for step in range(w.steps):
         for g in opt.param_groups:
             g["lr"] = lr_at(step, schedule)
@@ -118,6 +144,7 @@ def train(variant: dict[str, Any], w: Workload, corpus: Any, rank: int = 0, worl
             loss_acc += float(loss.detach())
         opt.step()
         opt.zero_grad()
+        sent += sum(opt.last_step.bytes.values())
         train_curve.append(loss_acc)
         if (step + 1) % w.eval_every == 0 or step + 1 == w.steps:
             val = eval_loss(model, corpus.val, w.seq, n_seqs=w.eval_seqs)
@@ -130,7 +157,61 @@ def train(variant: dict[str, Any], w: Workload, corpus: Any, rank: int = 0, worl
     return {"variant": variant, "final_val_loss": curve[-1][1], "val_curve": curve,
             "train_loss_last50": sum(train_curve[-50:]) / len(train_curve[-50:]),
             "diagnostics": diag, "bytes_last_step": dict(opt.last_step.bytes),
+            "bytes_per_step": sent / w.steps, "world": 1,
             "wall_s": time.perf_counter() - t0, "params": num_params(model)}
+
+
+LOCAL_ROWS = ("sparseloco-h8-d0.01", "sparseloco-h8-d0.03", "sparseloco-h32-d0.01",
+              "sparseloco-h32-d0.03", "diloco-h8", "diloco-h32")
+"""``--local all``: SparseLoCo at H = 8, 32 and density 1%, 3% (2-bit values), DiLoCo at
+H = 8, 32; the other outer hyperparameters are the library's defaults."""
+
+
+def local_variant(name: str, lr: float, label_lr: bool = False) -> dict[str, Any]:
+    """The variant dict of a local-step row (``label_lr``: the name says the inner lr)."""
+    opt, kw = parse_local_name(name)
+    return dict(name=name + (f"-inner_lr{lr:g}" if label_lr else ""), optimizer=opt, lr=lr,
+                **kw)
+
+
+def train_local(variant: dict[str, Any], w: Workload, world: int) -> dict[str, Any]:
+    """A local-step row on ``world`` gloo ranks through :mod:`bench.runner`."""
+    import inspect
+
+    import scape
+
+    res = run(run_config(variant, w, world))
+    h = variant["sync_every"]
+    at_sync = [(s, v) for s, v in res["val_curve"] if s % h == 0]
+    n_syncs = w.steps // h
+    mean = res["bytes_per_step_mean_all_steps"]
+    cls = scape.SparseLoCo if variant["optimizer"] == "sparseloco" else scape.DiLoCo
+    outer = {k: p.default for k, p in inspect.signature(cls).parameters.items()
+             if p.default is not inspect.Parameter.empty and k != "comm"}
+    outer.update({k: variant[k] for k in outer if k in variant})
+    curve = res["train_curve"]
+    return {"variant": variant, "world": world, "final_val_loss": res["final_val_loss"],
+            "val_curve": res["val_curve"],
+            "last_sync_step": at_sync[-1][0] if at_sync else None,
+            "last_sync_val_loss": at_sync[-1][1] if at_sync else None,
+            "train_loss_last50_rank0": sum(curve[-50:]) / len(curve[-50:]),
+            "bytes_per_step": mean,
+            "bytes_per_sync": mean * w.steps / n_syncs if n_syncs else None,
+            "outer_settings": outer, "wall_s": res["wall_s"], "params": res["params"]}
+
+
+def dense_bytes_per_step(w: Workload, world: int) -> int:
+    """Dense sharded AdamS's bytes per step per rank at ``world`` ranks on this model:
+    ``N_pad * (4 + 4) + 8`` (fp32 reduce-scatter and all-gather of the padded flat buffers,
+    DESIGN §1, plus the 8-byte scalar all-reduce), ``N_pad`` from the library's buckets."""
+    import scape
+    from bench.nullcomm import NullCommunicator
+
+    groups = param_groups(GPT(get_config(w.model), seed=w.seed), w.weight_decay)
+    for g in groups:
+        g.pop("name", None)
+    opt = scape.SCAPE(groups, lr=1e-3, sparsity=0.0, comm=NullCommunicator(world, 0))
+    return sum(b.n_pad for b in opt.buckets) * (4 + 4) + 8
 
 
 DENSE_LRS = (1e-3, 3e-3, 1e-2)
@@ -170,9 +251,14 @@ def table(paths: list[str], dense_ref: float | None = None) -> str:
     """A markdown table of every row of the given result files, with the command of each.
 
     ``dense_ref``: recompute every ratio against this dense loss (e.g. the sweep's best when
-    the sweep's learning rates ran as separate files)."""
-    lines = ["| steps | accum | variant | sparsity | final val loss | ratio to dense | command |",
-             "|---|---|---|---|---|---|---|"]
+    the sweep's learning rates ran as separate files). The bytes column is the row's mean
+    bytes per step per rank (``–`` for files written before it was recorded); a local-step
+    row names its world size, and when its last step is not a sync its loss at the last sync
+    follows in brackets. A note after the table gives dense sharded AdamS's bytes per step
+    where a file recorded them."""
+    lines = ["| steps | accum | variant | sparsity | final val loss | ratio to dense | "
+             "bytes/step/rank | command |", "|---|---|---|---|---|---|---|---|"]
+    notes: list[str] = []
     seen: set[tuple] = set()
     for path in paths:
         with open(path) as f:
@@ -180,6 +266,10 @@ def table(paths: list[str], dense_ref: float | None = None) -> str:
         if rep.get("schema") != SCHEMA:
             raise ValueError(f"{path}: not a {SCHEMA} report")
         w = rep["workload"]
+        dense = rep.get("dense_adams_bytes_per_step")
+        if dense:
+            notes.append(f"Dense sharded AdamS on this model at W={dense['world']}: "
+                         f"{dense['bytes']:,} bytes/step/rank ({dense['formula']}).")
         for r in rep["results"]:
             v = r["variant"]
             key = (w["steps"], w["accum"], v["name"], r["final_val_loss"])
@@ -187,10 +277,17 @@ def table(paths: list[str], dense_ref: float | None = None) -> str:
                 continue
             seen.add(key)
             ratio = r["final_val_loss"] / dense_ref if dense_ref else r["ratio_to_dense"]
-            lines.append(f"| {w['steps']} | {w['accum']} | {v['name'].split('@')[0]} | "
-                         f"{v.get('sparsity', 0.0):g} | {r['final_val_loss']:.4f} | "
-                         f"{ratio:.3f} | `{rep['command']}` |")
-    return "\n".join(lines)
+            local = v.get("optimizer") in LOCAL_SGD
+            name = v["name"].split("@")[0] + (f" (W={r['world']})" if local else "")
+            loss = f"{r['final_val_loss']:.4f}"
+            if local and r.get("last_sync_step") not in (None, w["steps"]):
+                loss += f" (last sync, step {r['last_sync_step']}: {r['last_sync_val_loss']:.4f})"
+            nbytes = r.get("bytes_per_step")
+            lines.append(f"| {w['steps']} | {w['accum']} | {name} | "
+                         f"{'–' if local else format(v.get('sparsity', 0.0), 'g')} | {loss} | "
+                         f"{ratio:.3f} | {'–' if nbytes is None else f'{nbytes:,.0f}'} | "
+                         f"`{rep['command']}` |")
+    return "\n".join(lines + [""] * bool(notes) + list(dict.fromkeys(notes)))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -215,6 +312,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--check-world", type=int, default=0,
                     help="re-run the first sparse variant on this many gloo ranks (bench.runner)"
                          " and report its final loss beside the single-process one")
+    ap.add_argument("--local", nargs="+", default=None, metavar="NAME",
+                    help="local-step rows on --world gloo ranks: sparseloco-h<H>-d<density>"
+                         "[-b<bits>], diloco-h<H>, or 'all' (" + " ".join(LOCAL_ROWS) + ")")
+    ap.add_argument("--world", type=int, default=None,
+                    help="ranks of the local-step rows (default 4; 2 with --smoke)")
+    ap.add_argument("--local-lr", type=float, default=None,
+                    help="inner AdamW lr of the local-step rows (default: the ablation's lr; "
+                         "another value is added to the row names)")
     ap.add_argument("--table", nargs="+", default=None, metavar="JSON",
                     help="print a markdown table of these result files and exit")
     args = ap.parse_args(argv)
@@ -229,6 +334,18 @@ def main(argv: list[str] | None = None) -> int:
                                 eval_seqs=4)
         args.dense_lrs, args.sparsity, args.warmup = [3e-3], [0.9], 2
         args.variants = args.variants or ["lazy", "catchup_accum"]
+    world = args.world or (2 if args.smoke else 4)
+    local_names = list(LOCAL_ROWS) if args.local == ["all"] else (args.local or [])
+    warnings: list[str] = []
+    try:
+        for name in local_names:
+            h = parse_local_name(name)[1]["sync_every"]
+            run_config(local_variant(name, 1.0), w, world)  # validates the world size
+            warnings += [t for t in [sync_warning(name, h, w.steps)] if t]
+    except ValueError as e:
+        ap.error(f"--local/--world: {e}")
+    for text in warnings:
+        print(text, flush=True)
     torch.set_num_threads(w.threads)
     corpus = load_corpus(args.data)
     out = args.out or f"bench/results/convergence_{w.steps}_accum{w.accum}.json"
@@ -253,6 +370,11 @@ def main(argv: list[str] | None = None) -> int:
         v["lr"] = lr
         print(f"{v['name']} (lr {lr:g})", flush=True)
         results.append(train(v, w, corpus))
+    for name in local_names:
+        inner_lr = lr if args.local_lr is None else args.local_lr
+        v = local_variant(name, inner_lr, label_lr=inner_lr != lr)
+        print(f"{v['name']} on {world} gloo ranks (AdamW inner, lr {inner_lr:g})", flush=True)
+        results.append(train_local(v, w, world))
     world_check = None
     sparse_rows = [r for r in results if r["variant"].get("sparsity", 0) > 0]
     if args.check_world and sparse_rows:
@@ -275,14 +397,18 @@ def main(argv: list[str] | None = None) -> int:
               "machine": platform.processor() or platform.machine(),
               "date": datetime.date.today().isoformat(),
               "wall_s": time.perf_counter() - started, "world_check": world_check,
-              "results": results}
+              "warnings": warnings, "results": results}
+    if local_names:
+        report["dense_adams_bytes_per_step"] = {
+            "world": world, "bytes": dense_bytes_per_step(w, world),
+            "formula": "N_pad * (4 + 4) + 8, N_pad from the library's buckets"}
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     with open(out, "w") as f:
         json.dump(report, f, indent=1)
-    print(f"\n{'variant':34s} {'val loss':>9s} {'ratio':>7s}")
+    print(f"\n{'variant':34s} {'val loss':>9s} {'ratio':>7s} {'bytes/step/rank':>16s}")
     for r in results:
         print(f"{r['variant']['name']:34s} {r['final_val_loss']:9.4f} "
-              f"{r['ratio_to_dense']:7.3f}")
+              f"{r['ratio_to_dense']:7.3f} {r['bytes_per_step']:16,.0f}")
     print(f"wrote {out}")
     return 0
 

@@ -40,6 +40,60 @@ def test_convergence_smoke(tmp_path):
     assert check["world"] == 2 and abs(check["relative_difference"]) < 1e-3, check
 
 
+@pytest.mark.timeout(200)
+def test_convergence_local_step_row_smoke(tmp_path):
+    """One SparseLoCo row on 2 gloo ranks beside the single-process dense row; its bytes per
+    step are README's formula (record bytes * W / H) and the dense reference is what a real
+    dense sharded AdamS step of this model counts at W=2."""
+    from bench.convergence import table
+    from bench.gpt import GPT, get_config, param_groups
+
+    rep = _run("bench.convergence", str(tmp_path / "c.json"), "--variants", "none",
+               "--local", "sparseloco-h3-d0.03")
+    assert rep["schema"] == "scape.convergence/1" and rep["warnings"] == []
+    dense, local = rep["results"]
+    steps = rep["workload"]["steps"]
+    assert dense["variant"]["name"].startswith("dense-adams") and dense["world"] == 1
+    assert local["variant"] == {"name": "sparseloco-h3-d0.03", "optimizer": "sparseloco",
+                                "lr": rep["dense_lr"], "sync_every": 3, "density": 0.03,
+                                "value_bits": 2}
+    assert local["world"] == 2 and local["outer_settings"]["ef_decay"] > 0
+    # evaluated at the syncs (steps 3, 6) on the same windows; the last step is a sync
+    assert [s for s, _ in local["val_curve"]] == [3, 6] and steps == 6
+    assert local["last_sync_step"] == 6 and local["last_sync_val_loss"] == local["final_val_loss"]
+    assert local["ratio_to_dense"] == pytest.approx(local["final_val_loss"]
+                                                    / dense["final_val_loss"])
+    n_blocks = -(-local["params"] // 4096)
+    k = n_blocks * round(0.03 * 4096)
+    record = 4 * n_blocks + 2 * k + -(-k * 2 // 8)
+    assert local["bytes_per_step"] == pytest.approx(2 * record / 3, rel=1e-12)
+    assert local["bytes_per_sync"] == pytest.approx(2 * record, rel=1e-12)
+    # the dense reference: a real dense step of the same model as rank 0 of 2, counted
+    model = GPT(get_config("tiny"), seed=0)
+    groups = param_groups(model, 0.1)
+    for g in groups:
+        g.pop("name")
+    opt = __import__("scape").SCAPE(groups, lr=1e-3, sparsity=0.0,
+                                    comm=NullCommunicator(2, 0))
+    x = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(0))
+    model.loss(x, x).backward()
+    opt.step()
+    assert rep["dense_adams_bytes_per_step"]["world"] == 2
+    assert rep["dense_adams_bytes_per_step"]["bytes"] == sum(opt.last_step.bytes.values())
+    # --table: the bytes column, "-" for a file written before bytes were recorded
+    old = {k: v for k, v in rep.items() if k not in ("dense_adams_bytes_per_step", "warnings")}
+    old["results"] = [{k: v for k, v in dense.items() if k not in ("bytes_per_step", "world")}]
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    lines = table([str(tmp_path / "old.json")]).splitlines()
+    assert "| bytes/step/rank |" in lines[0] and len(lines) == 3
+    assert lines[2].split(" | ")[6] == "–"
+    lines = table([str(tmp_path / "c.json")]).splitlines()
+    assert lines[2].split(" | ")[6] == f"{dense['bytes_per_step']:,.0f}"
+    assert "sparseloco-h3-d0.03 (W=2)" in lines[3]
+    assert lines[3].split(" | ")[6] == f"{local['bytes_per_step']:,.0f}"
+    assert lines[-1].startswith("Dense sharded AdamS on this model at W=2: ")
+
+
 def test_step_compute_smoke(tmp_path):
     rep = _run("bench.step_compute", str(tmp_path / "s.json"))
     assert rep["schema"] == "scape.step_compute/1"
