@@ -124,7 +124,7 @@ def load_sharded_state(opt: Any, state: Any) -> list[dict[str, Any]]:
             residual = torch.stack([e["residual"].cpu()[:b.numel] for e in entries]).mean(0)
             b.grad_flat.copy_(_repad(residual, b.numel, b.n_pad).to(dev))
         extras.append({k: v.to(dev) for k, v in entries[0].items()
-                       if k.startswith("mask") and v is not None})
+                       if k.startswith(("mask", "drift")) and v is not None})
 
     opt._step = states[0]["step"]
     opt._load_counters(states[0]["counters"])

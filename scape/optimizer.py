@@ -25,6 +25,7 @@ from scape import config
 from scape.buffers import DENSE_ALIGN, Bucket
 from scape.checkpoint import load_sharded_state, sharded_state
 from scape.comm import Communicator
+from scape.drift import Drift
 from scape.kernels import adams_dense_, blockwise_topk, scatter_, take_
 from scape.profiling import phase
 from scape.rules import RULES, ShardState
@@ -126,6 +127,10 @@ class SCAPE(ShardedOptimizer):
                 self.masks.append(None)
             self.diagnostics.append({})
         self._take_bufs: list[torch.Tensor | None] = [None] * len(self.buckets)
+        self.drifts: list[Drift | None] = [
+            Drift(self.rule.drift, b.param_flat) if m is not None and self.rule.drift else None
+            for b, m in zip(self.buckets, self.masks)]
+        """Replicated drift state per sparse bucket when the rule drifts (scape.drift)."""
 
     def _validate_args(self, defaults: dict, block_size: int, max_grad_norm: Any,
                        grad_comm_dtype: Any, global_fields: dict) -> None:
@@ -157,9 +162,17 @@ class SCAPE(ShardedOptimizer):
 
     def _init_shard(self, bucket: Bucket) -> ShardState:
         master = bucket.param_flat[bucket.shard].to(torch.float32).clone()
+        rule = RULES[self.update]
         return ShardState(master=master, m=torch.zeros_like(master),
                           age=torch.zeros(bucket.shard_size, dtype=torch.int32,
-                                          device=bucket.device))
+                                          device=bucket.device),
+                          extra={k: torch.zeros_like(master) for k in rule.extra})
+
+    def _observe(self, i: int) -> None:
+        """Give the rule the owner's slice of its own buffer (before the take)."""
+        if self.rule.observe is not None and self.masks[i] is not None:
+            b = self.buckets[i]
+            self.rule.observe(self.shards[i], b.grad_flat[b.shard], self.error_feedback)
 
     def _schedule_dense(self, t: int) -> bool:
         return t <= self.warmup_steps or (self.dense_every > 0 and t % self.dense_every == 0)
@@ -184,6 +197,18 @@ class SCAPE(ShardedOptimizer):
         adams_dense_(s.master, s.m, g, lr=hp["lr"], beta1=hp["beta1"], beta2=hp["beta2"],
                      eps=hp["eps"], weight_decay=hp["weight_decay"], model_out=model_out)
         s.age.zero_()
+
+    def _dense_finish(self, i: int, hp: dict) -> Any:
+        drift, b = self.drifts[i], self.buckets[i]
+        if drift is None:
+            return None
+        lr = hp["lr"]
+        return lambda: drift.sync_dense(b.param_flat, lr)
+
+    def _mask_positions(self, rows: torch.Tensor, first_block: int) -> torch.Tensor:
+        """Flat positions (int64) of a mask's rows whose first row is block ``first_block``."""
+        start = torch.arange(first_block, first_block + rows.shape[0], device=rows.device)
+        return (start.mul_(self.block_size)[:, None] + rows.long()).view(-1)
 
     # ------------------------------------------------------------------ sparse path
     def _sparse_launch(self, i: int) -> tuple[torch.Tensor, Any]:
@@ -214,16 +239,27 @@ class SCAPE(ShardedOptimizer):
         mask = mask_state.next
         rows = mask[b.rank * mask_state.n_local:(b.rank + 1) * mask_state.n_local]
         values = torch.empty(rows.numel(), dtype=b.dtype, device=b.device)
+        drift = self.drifts[i]
         with phase("scape/update", b.device):
-            self.rule.update(self.shards[i], g, rows, self.block_size, hp, values)
+            shard = self.shards[i]
+            if drift is not None and drift.spec.commit:  # keep the drift: step from there
+                local = self._mask_positions(rows, 0)
+                shard.master[local] += drift.offset(local + b.shard_start, hp["lr"])
+            self.rule.update(shard, g, rows, self.block_size, hp, values)
         gathered = torch.empty(mask.numel(), dtype=b.dtype, device=b.device)
         with phase("scape/all_gather", b.device):
             work = self.comm.all_gather(gathered, values)
         self._take_bufs[i] = None
         mask_state.current = mask
 
+        lr = hp["lr"]
+
         def finish() -> None:
-            scatter_(b.param_flat, mask, self.block_size, gathered)
+            if drift is None:
+                scatter_(b.param_flat, mask, self.block_size, gathered)
+                return
+            drift.sync_sparse(self._mask_positions(mask, 0), gathered, lr)
+            drift.apply(b.param_flat, lr)
 
         return _Pending(b, work, finish, (values, gathered, mask))
 
@@ -264,13 +300,20 @@ class SCAPE(ShardedOptimizer):
                 m.wait()
         return sharded_state(self, extra_per_bucket=[
             {"mask_next": None if m is None or m.next is None else m.next.clone(),
-             "mask_current": None if m is None or m.current is None else m.current.clone()}
-            for m in self.masks])
+             "mask_current": None if m is None or m.current is None else m.current.clone(),
+             **({} if d is None else d.state())}
+            for m, d in zip(self.masks, self.drifts)])
 
     def load_state_dict(self, state_dict: Any) -> None:  # type: ignore[override]
         """Load this rank's ``state_dict()``, or a list of every old rank's (any world size)."""
         self.finish_param_sync()
         extras = load_sharded_state(self, state_dict)
+        for b, d, extra in zip(self.buckets, self.drifts, extras):
+            if d is not None:
+                if "drift_anchor" not in extra:
+                    raise ValueError(f"state dict has no drift state; update={self.update!r} "
+                                     "drifts (saved with another update rule?)")
+                d.load(extra, b.numel, b.param_flat)
         for m, extra in zip(self.masks, extras):
             if m is None:
                 continue

@@ -28,10 +28,12 @@ each one measured are in bench/README.md ("Convergence and the quality research"
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 
 import torch
 
+from scape.drift import DriftSpec
 from scape.kernels import adams_sparse_
 
 
@@ -47,6 +49,7 @@ class ShardState:
 
 UpdateFn = Callable[[ShardState, torch.Tensor, torch.Tensor, int, dict, torch.Tensor], None]
 ScoreFn = Callable[[ShardState], torch.Tensor]
+ObserveFn = Callable[[ShardState, torch.Tensor, bool], None]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +59,15 @@ class Rule:
     update: UpdateFn
     score: ScoreFn | None = None
     """None: the first moment ``m`` (|m| picks the mask)."""
+    drift: DriftSpec | None = None
+    """None: unsent coordinates stand still; else they drift between syncs (scape.drift)."""
+    observe: ObserveFn | None = None
+    """Called at the start of every step with the owner's slice of its own gradient buffer
+    (this step's local gradient + residual, before the take) and whether error feedback is
+    on: local statistics a rule may keep in ``shard.extra`` at no communication cost."""
+    extra: tuple[str, ...] = ()
+    """Names of the fp32 shard-sized tensors the rule keeps in ``shard.extra`` (zeros at
+    construction; saved, loaded and resharded with the shard)."""
 
 
 def lazy(shard: ShardState, g: torch.Tensor, idx: torch.Tensor, block_size: int, hp: dict,
@@ -106,6 +118,72 @@ def accumulated_score(shard: ShardState) -> torch.Tensor:
     return mag.addcmul_(mag, shard.age)  # |m| + |m|*age in two passes (age promotes)
 
 
+NOISE_BETA = 0.95
+"""EMA factor of the owner's local second moment (:func:`observe_local_noise`)."""
+NOISE_STATE = ("prev", "s2", "s2w")
+"""The shard tensors :func:`observe_local_noise` keeps."""
+
+
+def observe_local_noise(shard: ShardState, buf: torch.Tensor, error_feedback: bool) -> None:
+    """EMA of the square of this rank's own per-step gradient at its shard (``extra["s2"]``,
+    with its weight ``extra["s2w"]`` so that ``s2 / s2w`` is unbiased from the first step).
+
+    The buffer holds the residual left by the previous step plus this step's gradient. The
+    previous residual is the previous buffer (``extra["prev"]``) with the coordinates synced
+    last step (``age == 0``: the mask, or everything after a dense step) zeroed, so this
+    step's own gradient is ``buf - where(age == 0, 0, prev)``. One copy of the shard per step.
+    """
+    prev = shard.extra["prev"]
+    local = buf - prev.masked_fill_(shard.age == 0, 0.0) if error_feedback else buf.clone()
+    shard.extra["s2"].mul_(NOISE_BETA).addcmul_(local, local, value=1.0 - NOISE_BETA)
+    shard.extra["s2w"].mul_(NOISE_BETA).add_(1.0 - NOISE_BETA)
+    prev.copy_(buf)
+
+
+def catchup_snr(shard: ShardState, g: torch.Tensor, idx: torch.Tensor, block_size: int,
+                hp: dict, model_out: torch.Tensor, floor: float = 0.0) -> None:
+    """Catch-up whose number of steps follows the signal-to-noise ratio of what arrived.
+
+    ``g`` is the sum of ``a + 1`` global-mean gradients. With ``sigma^2`` the per-step noise
+    variance of the global mean (the owner's local variance ``s2 - m^2`` divided by W: each
+    rank's gradient is one of W equal parts), the mean ``gbar = g / (a+1)`` has noise
+    ``sigma^2 / (a+1)``; ``mu^2 = max(gbar^2 - sigma^2/(a+1), 0)`` estimates the signal and
+    ``r = mu^2 (a+1) / sigma^2`` the ratio. The coordinate moves
+    ``n = max((a+1)^floor, (a+1) * sqrt(r / (1 + r)))`` normalized AdamS steps: all ``a+1``
+    when the signal dominates (full catch-up), down to ``(a+1)^floor`` on pure noise.
+    Moment and decay as :func:`catchup_mean`. Torch ops (not fused).
+    """
+    flat = (torch.arange(idx.shape[0], device=idx.device, dtype=torch.int64)[:, None]
+            * block_size + idx.long()).view(-1)
+    p_sel, m_sel = shard.master.index_select(0, flat), shard.m.index_select(0, flat)
+    a1 = shard.age.index_select(0, flat).float().add_(1.0)
+    gbar = g.float() / a1
+    denom = (m_sel * m_sel).mul_(hp["beta2"]).addcmul_(gbar, gbar, value=1.0 - hp["beta2"])
+    denom.sqrt_().add_(hp["eps"])
+    s2 = shard.extra["s2"].index_select(0, flat).div_(
+        shard.extra["s2w"].index_select(0, flat).clamp_(min=1e-12))
+    sigma2 = (s2 - m_sel.square()).clamp_(min=0.0).div_(hp.get("world", 1)).add_(1e-30)
+    mu2 = (gbar.square() - sigma2 / a1).clamp_(min=0.0)
+    r = mu2.mul_(a1).div_(sigma2)
+    steps = torch.maximum(a1 * (r / (1.0 + r)).sqrt_(), a1.pow(floor))
+    keep = a1.mul(math.log(hp["beta1"])).exp_()
+    m_sel.mul_(keep).addcmul_(1.0 - keep, gbar)
+    if hp["weight_decay"] != 0.0:
+        p_sel.mul_(a1.mul(math.log1p(-hp["lr"] * hp["weight_decay"])).exp_())
+    p_sel.addcmul_(m_sel / denom, steps, value=-hp["lr"])
+    shard.master.index_copy_(0, flat, p_sel)
+    shard.m.index_copy_(0, flat, m_sel)
+    shard.age.add_(1)
+    shard.age.index_fill_(0, flat, 0)
+    model_out.copy_(p_sel)
+
+
+def catchup_snr_sqrt(shard: ShardState, g: torch.Tensor, idx: torch.Tensor, block_size: int,
+                     hp: dict, model_out: torch.Tensor) -> None:
+    """:func:`catchup_snr` never below the square-root rule (floor ``sqrt(a+1)`` steps)."""
+    catchup_snr(shard, g, idx, block_size, hp, model_out, floor=0.5)
+
+
 RULES: dict[str, Rule] = {
     "lazy": Rule(lazy),
     "lazy_accum": Rule(lazy, accumulated_score),
@@ -113,5 +191,16 @@ RULES: dict[str, Rule] = {
     "catchup_accum": Rule(catchup_mean, accumulated_score),
     "catchup_sqrt": Rule(catchup_sqrt),
     "catchup_sqrt_accum": Rule(catchup_sqrt, accumulated_score),
+    "drift_sqrt_accum": Rule(catchup_sqrt, accumulated_score, DriftSpec(0.99)),
+    "drift90_sqrt_accum": Rule(catchup_sqrt, accumulated_score, DriftSpec(0.9)),
+    "drift_accum": Rule(catchup_mean, accumulated_score, DriftSpec(0.99)),
+    "drift_commit_sqrt_accum": Rule(catchup_sqrt, accumulated_score, DriftSpec(0.99, True)),
+    "drift90_commit_sqrt_accum": Rule(catchup_sqrt, accumulated_score, DriftSpec(0.9, True)),
+    "drift_commit_lazy_accum": Rule(lazy, accumulated_score, DriftSpec(0.99, True)),
+    "drift_commit_accum": Rule(catchup_mean, accumulated_score, DriftSpec(0.99, True)),
+    "catchup_snr_accum": Rule(catchup_snr, accumulated_score, observe=observe_local_noise,
+                              extra=NOISE_STATE),
+    "catchup_snr_sqrt_accum": Rule(catchup_snr_sqrt, accumulated_score,
+                                   observe=observe_local_noise, extra=NOISE_STATE),
 }
 """Sparse-step rules by the name passed as ``update=``."""

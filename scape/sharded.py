@@ -123,6 +123,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def _dense_update(self, i: int, g: torch.Tensor, hp: dict, model_out: torch.Tensor) -> None:
         raise NotImplementedError
 
+    def _observe(self, i: int) -> None:
+        """Called for every bucket at the start of every step, before anything is sent."""
+
+    def _dense_finish(self, i: int, hp: dict) -> Callable[[], None] | None:
+        """What to run once a dense step's parameter all-gather has landed (None: nothing)."""
+        return None
+
     def _sparse_launch(self, i: int) -> tuple[torch.Tensor, Any]:
         raise NotImplementedError
 
@@ -225,7 +232,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def _hp(self, bucket: Bucket) -> dict:
         g = self.param_groups[bucket.group]
         return {"lr": float(g["lr"]), "beta1": g["betas"][0], "beta2": g["betas"][1],
-                "eps": g["eps"], "weight_decay": g["weight_decay"]}
+                "eps": g["eps"], "weight_decay": g["weight_decay"],
+                "world": self.comm.world_size}
 
     # ------------------------------------------------------------------- the step
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
@@ -255,6 +263,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             fault.fire(self._step, "grad", self)
         dense_flags = [self._is_dense(i) for i in range(len(self.buckets))]
         device = self.buckets[0].device
+        for i in range(len(self.buckets)):
+            self._observe(i)
 
         # 1. local statistics of the whole buffers (this step's gradient + residual)
         local = torch.zeros(2, dtype=torch.float32, device=device)
@@ -328,6 +338,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     self._dense_update(i, g, hp, model_out)
                 with phase("scape/all_gather", b.device):
                     work = self.comm.all_gather(b.param_flat, model_out)
-                self._pending.append(_Pending(b, work, None, (model_out,)))
+                self._pending.append(_Pending(b, work, self._dense_finish(i, hp), (model_out,)))
             else:
                 self._pending.append(self._sparse_update(i, g, hp))

@@ -7,17 +7,30 @@ import pytest
 import torch
 from conftest import nan_empty
 
-from scape.rules import RULES, ShardState, accumulated_score, catchup_mean, lazy
+from scape.rules import (
+    NOISE_BETA,
+    NOISE_STATE,
+    RULES,
+    ShardState,
+    accumulated_score,
+    catchup_mean,
+    catchup_snr,
+    catchup_snr_sqrt,
+    lazy,
+    observe_local_noise,
+)
 
 BLOCK = 256
 HP = dict(lr=3e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
 
 
-def _shard(seed: int, n_blocks: int = 3, max_age: int = 50) -> ShardState:
+def _shard(seed: int, n_blocks: int = 3, max_age: int = 50,
+           extra: tuple[str, ...] = ()) -> ShardState:
     g = torch.Generator().manual_seed(seed)
     n = n_blocks * BLOCK
     return ShardState(master=torch.randn(n, generator=g), m=torch.randn(n, generator=g) * 0.1,
-                      age=torch.randint(0, max_age, (n,), generator=g, dtype=torch.int32))
+                      age=torch.randint(0, max_age, (n,), generator=g, dtype=torch.int32),
+                      extra={k: torch.rand(n, generator=g) * 0.1 + 0.01 for k in extra})
 
 
 def _mask(seed: int, n_blocks: int, k: int) -> torch.Tensor:
@@ -31,14 +44,15 @@ def _flat(idx: torch.Tensor) -> torch.Tensor:
 
 
 def _clone(s: ShardState) -> ShardState:
-    return ShardState(s.master.clone(), s.m.clone(), s.age.clone())
+    return ShardState(s.master.clone(), s.m.clone(), s.age.clone(),
+                      {k: v.clone() for k, v in s.extra.items()})
 
 
 @pytest.mark.parametrize("name", sorted(RULES))
 @pytest.mark.parametrize("k", [1, 13], ids=["k1", "k13"])
 def test_rule_invariants(name, k):
     rule = RULES[name]
-    s = _shard(1)
+    s = _shard(1, extra=rule.extra)
     before = _clone(s)
     idx = _mask(2, 3, k)
     g = torch.randn(3 * k, generator=torch.Generator().manual_seed(3))
@@ -107,3 +121,85 @@ def test_accumulated_score_orders_by_mass():
     s.age[:2] = torch.tensor([1, 5], dtype=torch.int32)
     sc = accumulated_score(s)
     assert sc[1] > sc[0]
+
+
+def _snr_f64(s, flat, g, hp, floor):
+    """catchup_snr re-derived in float64 from its docstring."""
+    p, m = s.master[flat].double(), s.m[flat].double()
+    a1 = s.age[flat].double() + 1
+    gbar = g.double() / a1
+    sigma2 = ((s.extra["s2"][flat].double() / s.extra["s2w"][flat].double()) - m ** 2)
+    sigma2 = sigma2.clamp(min=0) / hp.get("world", 1) + 1e-30
+    mu2 = (gbar ** 2 - sigma2 / a1).clamp(min=0)
+    r = mu2 * a1 / sigma2
+    steps = torch.maximum(a1 * (r / (1 + r)).sqrt(), a1 ** floor)
+    v = hp["beta2"] * m ** 2 + (1 - hp["beta2"]) * gbar ** 2
+    d = hp["beta1"] ** a1
+    m_new = d * m + (1 - d) * gbar
+    p_new = p * (1 - hp["lr"] * hp["weight_decay"]) ** a1
+    return p_new - hp["lr"] * steps * m_new / (v.sqrt() + hp["eps"]), m_new
+
+
+@pytest.mark.parametrize("floor", [0.0, 0.5], ids=["floor1", "floor_sqrt"])
+@pytest.mark.parametrize("world", [1, 4], ids=["W1", "W4"])
+def test_catchup_snr_matches_float64(floor, world):
+    s = _shard(11, extra=NOISE_STATE)
+    before = _clone(s)
+    idx = _mask(12, 3, 20)
+    flat = _flat(idx)
+    g = torch.randn(60, generator=torch.Generator().manual_seed(13)) * 3
+    hp = dict(HP, world=world)
+    catchup_snr(s, g, idx, BLOCK, hp, nan_empty(60), floor=floor)
+    p_ref, m_ref = _snr_f64(before, flat, g, hp, floor)
+    torch.testing.assert_close(s.master[flat].double(), p_ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(s.m[flat].double(), m_ref, rtol=1e-5, atol=1e-7)
+
+
+def test_catchup_snr_limits():
+    """No noise: full catch-up (catchup_mean). Pure noise (a zero mean arrived): the floor,
+    i.e. the square-root rule for catchup_snr_sqrt."""
+    idx = _mask(14, 3, 16)
+    flat = _flat(idx)
+    g = torch.randn(48, generator=torch.Generator().manual_seed(15))
+    quiet = _shard(16, extra=NOISE_STATE)
+    quiet.extra["s2"].copy_(quiet.m.square())  # local variance s2 - m^2 = 0
+    quiet.extra["s2w"].fill_(1.0)
+    ref = _clone(quiet)
+    catchup_snr(quiet, g, idx, BLOCK, HP, nan_empty(48))
+    catchup_mean(ref, g, idx, BLOCK, HP, nan_empty(48))
+    torch.testing.assert_close(quiet.master, ref.master, rtol=1e-6, atol=1e-6)
+    noisy = _shard(17, extra=NOISE_STATE)
+    noisy.extra["s2"].fill_(1e6)
+    noisy.extra["s2w"].fill_(1.0)
+    ref = _clone(noisy)
+    catchup_snr_sqrt(noisy, g * 1e-6, idx, BLOCK, HP, nan_empty(48))
+    catchup_mean(ref, g * 1e-6, idx, BLOCK, HP, nan_empty(48), power=0.5)
+    torch.testing.assert_close(noisy.master, ref.master, rtol=1e-6, atol=1e-6)
+    assert bool((quiet.master[flat] != noisy.master[flat]).any())
+
+
+@pytest.mark.parametrize("error_feedback", [True, False], ids=["ef", "no_ef"])
+def test_observe_local_noise_recovers_each_step_gradient(error_feedback):
+    """Simulated buffer: residual (what the last take left) + this step's gradient. The
+    observer must average the squares of the step gradients alone."""
+    n, gen = 2 * BLOCK, torch.Generator().manual_seed(18)
+    s = _shard(19, n_blocks=2, extra=NOISE_STATE)
+    for k in NOISE_STATE:
+        s.extra[k].zero_()
+    s.age.zero_()  # as after dense warm-up: nothing pending
+    residual = torch.zeros(n)
+    ema, w = torch.zeros(n, dtype=torch.float64), 0.0
+    for _ in range(6):
+        step_grad = torch.randn(n, generator=gen)
+        buf = residual + step_grad
+        observe_local_noise(s, buf.clone(), error_feedback)
+        ema = NOISE_BETA * ema + (1 - NOISE_BETA) * step_grad.double() ** 2
+        w = NOISE_BETA * w + (1 - NOISE_BETA)
+        idx = _mask(int(torch.randint(0, 1000, (1,), generator=gen)), 2, 7)
+        flat = _flat(idx)
+        residual = buf.clone() if error_feedback else torch.zeros(n)
+        residual[flat] = 0.0  # the take
+        s.age.add_(1)
+        s.age[flat] = 0
+    torch.testing.assert_close(s.extra["s2"].double(), ema, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(s.extra["s2w"].double(), torch.full_like(ema, w))
