@@ -49,9 +49,12 @@ def test_convergence_local_step_row_smoke(tmp_path):
     from bench.gpt import GPT, get_config, param_groups
 
     rep = _run("bench.convergence", str(tmp_path / "c.json"), "--variants", "none",
-               "--local", "sparseloco-h3-d0.03")
+               "--local", "sparseloco-h3-d0.03", "--adamw-reference")
     assert rep["schema"] == "scape.convergence/1" and rep["warnings"] == []
-    dense, local = rep["results"]
+    dense, adamw, local = rep["results"]
+    assert adamw["variant"] == {"name": f"dense-adamw-lr{rep['dense_lr']:g}",
+                                "optimizer": "adamw", "lr": rep["dense_lr"]}
+    assert adamw["world"] == 1 and adamw["final_val_loss"] != dense["final_val_loss"]
     steps = rep["workload"]["steps"]
     assert dense["variant"]["name"].startswith("dense-adams") and dense["world"] == 1
     assert local["variant"] == {"name": "sparseloco-h3-d0.03", "optimizer": "sparseloco",
@@ -89,8 +92,8 @@ def test_convergence_local_step_row_smoke(tmp_path):
     assert lines[2].split(" | ")[6] == "–"
     lines = table([str(tmp_path / "c.json")]).splitlines()
     assert lines[2].split(" | ")[6] == f"{dense['bytes_per_step']:,.0f}"
-    assert "sparseloco-h3-d0.03 (W=2)" in lines[3]
-    assert lines[3].split(" | ")[6] == f"{local['bytes_per_step']:,.0f}"
+    assert "sparseloco-h3-d0.03 (W=2)" in lines[4]
+    assert lines[4].split(" | ")[6] == f"{local['bytes_per_step']:,.0f}"
     assert lines[-1].startswith("Dense sharded AdamS on this model at W=2: ")
 
 
