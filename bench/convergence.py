@@ -256,8 +256,9 @@ def table(paths: list[str], dense_ref: float | None = None) -> str:
     the sweep's learning rates ran as separate files). The bytes column is the row's mean
     bytes per step per rank (``–`` for files written before it was recorded); a local-step
     row names its world size, and when its last step is not a sync its loss at the last sync
-    follows in brackets. A note after the table gives dense sharded AdamS's bytes per step
-    where a file recorded them."""
+    follows in brackets. Where a file recorded dense sharded AdamS's bytes per step (runs
+    with local-step rows), its rows' bytes carry their fraction of it and a note after the
+    table gives it."""
     lines = ["| steps | accum | variant | sparsity | final val loss | ratio to dense | "
              "bytes/step/rank | command |", "|---|---|---|---|---|---|---|---|"]
     notes: list[str] = []
@@ -285,10 +286,12 @@ def table(paths: list[str], dense_ref: float | None = None) -> str:
             if local and r.get("last_sync_step") not in (None, w["steps"]):
                 loss += f" (last sync, step {r['last_sync_step']}: {r['last_sync_val_loss']:.4f})"
             nbytes = r.get("bytes_per_step")
+            cell = "–" if nbytes is None else f"{nbytes:,.0f}"
+            if nbytes and dense:
+                cell += f" (1/{dense['bytes'] / nbytes:.0f})"
             lines.append(f"| {w['steps']} | {w['accum']} | {name} | "
                          f"{'–' if local else format(v.get('sparsity', 0.0), 'g')} | {loss} | "
-                         f"{ratio:.3f} | {'–' if nbytes is None else f'{nbytes:,.0f}'} | "
-                         f"`{rep['command']}` |")
+                         f"{ratio:.3f} | {cell} | `{rep['command']}` |")
     return "\n".join(lines + [""] * bool(notes) + list(dict.fromkeys(notes)))
 
 

@@ -91,9 +91,12 @@ def test_convergence_local_step_row_smoke(tmp_path):
     assert "| bytes/step/rank |" in lines[0] and len(lines) == 3
     assert lines[2].split(" | ")[6] == "–"
     lines = table([str(tmp_path / "c.json")]).splitlines()
-    assert lines[2].split(" | ")[6] == f"{dense['bytes_per_step']:,.0f}"
+    reference = rep["dense_adams_bytes_per_step"]["bytes"]
+    assert lines[2].split(" | ")[6] == \
+        f"{dense['bytes_per_step']:,.0f} (1/{reference / dense['bytes_per_step']:.0f})"
     assert "sparseloco-h3-d0.03 (W=2)" in lines[4]
-    assert lines[4].split(" | ")[6] == f"{local['bytes_per_step']:,.0f}"
+    assert lines[4].split(" | ")[6] == \
+        f"{local['bytes_per_step']:,.0f} (1/{reference / local['bytes_per_step']:.0f})"
     assert lines[-1].startswith("Dense sharded AdamS on this model at W=2: ")
 
 
