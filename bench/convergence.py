@@ -27,8 +27,9 @@ end; when ``steps`` is not a multiple of ``H`` a warning is printed and the row 
 its loss at the last sync. Every row records its bytes per step per rank (mean over the run;
 the single-process rows count at W=1, which differs from W ranks only by padding), and the
 report has dense sharded AdamS's ``N_pad * (4 + 4) + 8`` at ``--world`` for reference.
-``--adamw-reference`` adds dense AdamW at the same lr (one process: dense data-parallel AdamW
-is W-invariant like SCAPE), which separates the inner optimizer from the local steps.
+``--adamw-reference`` adds dense AdamW at the local-step rows' inner lr (one process: dense
+data-parallel AdamW is W-invariant like SCAPE), which separates the inner optimizer from the
+local steps.
 
     python -m bench.convergence --steps 400 --out bench/results/convergence_400.json
     python -m bench.convergence --steps 400 --lr 0.0003 --dense-loss 2.2193 --variants none \
@@ -326,9 +327,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="inner AdamW lr of the local-step rows (default: the ablation's lr; "
                          "another value is added to the row names)")
     ap.add_argument("--adamw-reference", action="store_true",
-                    help="also train dense AdamW (scape.DistributedAdamW, one process, the "
-                         "ablation's lr): the local-step rows' inner optimizer without local "
-                         "steps")
+                    help="also train dense AdamW (scape.DistributedAdamW, one process, at the "
+                         "local-step rows' inner lr): their inner optimizer without local steps")
     ap.add_argument("--table", nargs="+", default=None, metavar="JSON",
                     help="print a markdown table of these result files and exit")
     args = ap.parse_args(argv)
@@ -376,9 +376,10 @@ def main(argv: list[str] | None = None) -> int:
         lr, dense_loss = args.lr, args.dense_loss
     results += dense_rows
     if args.adamw_reference:
-        print(f"dense AdamW lr={lr:g}", flush=True)
-        results.append(train(dict(name=f"dense-adamw-lr{lr:g}", optimizer="adamw", lr=lr), w,
-                             corpus))
+        adamw_lr = lr if args.local_lr is None else args.local_lr
+        print(f"dense AdamW lr={adamw_lr:g}", flush=True)
+        results.append(train(dict(name=f"dense-adamw-lr{adamw_lr:g}", optimizer="adamw",
+                                  lr=adamw_lr), w, corpus))
     for v in variants(args.sparsity, args.variants, args.warmup):
         v["lr"] = lr
         print(f"{v['name']} (lr {lr:g})", flush=True)
