@@ -28,7 +28,7 @@ from scape.comm import Communicator
 from scape.drift import Drift
 from scape.kernels import adams_dense_, blockwise_topk, scatter_, take_
 from scape.profiling import phase
-from scape.rules import RULES, ShardState
+from scape.rules import RULES, ShardState, mask_positions
 from scape.sharded import ShardedOptimizer, _Pending
 
 DIAG_FULL_EVERY = 10
@@ -205,11 +205,6 @@ class SCAPE(ShardedOptimizer):
         lr = hp["lr"]
         return lambda: drift.sync_dense(b.param_flat, lr)
 
-    def _mask_positions(self, rows: torch.Tensor, first_block: int) -> torch.Tensor:
-        """Flat positions (int64) of a mask's rows whose first row is block ``first_block``."""
-        start = torch.arange(first_block, first_block + rows.shape[0], device=rows.device)
-        return (start.mul_(self.block_size)[:, None] + rows.long()).view(-1)
-
     # ------------------------------------------------------------------ sparse path
     def _sparse_launch(self, i: int) -> tuple[torch.Tensor, Any]:
         b, mask_state = self.buckets[i], self.masks[i]
@@ -243,7 +238,7 @@ class SCAPE(ShardedOptimizer):
         with phase("scape/update", b.device):
             shard = self.shards[i]
             if drift is not None and drift.spec.commit:  # keep the drift: step from there
-                local = self._mask_positions(rows, 0)
+                local = mask_positions(rows, self.block_size)
                 shard.master[local] += drift.offset(local + b.shard_start, hp["lr"])
             self.rule.update(shard, g, rows, self.block_size, hp, values)
         gathered = torch.empty(mask.numel(), dtype=b.dtype, device=b.device)
@@ -258,7 +253,7 @@ class SCAPE(ShardedOptimizer):
             if drift is None:
                 scatter_(b.param_flat, mask, self.block_size, gathered)
                 return
-            drift.sync_sparse(self._mask_positions(mask, 0), gathered, lr)
+            drift.sync_sparse(mask_positions(mask, self.block_size), gathered, lr)
             drift.apply(b.param_flat, lr)
 
         return _Pending(b, work, finish, (values, gathered, mask))

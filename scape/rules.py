@@ -75,6 +75,12 @@ class Rule:
     construction; saved, loaded and resharded with the shard)."""
 
 
+def mask_positions(idx: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Flat int64 positions ``b * block_size + idx[b, j]`` of a mask, block-major."""
+    start = torch.arange(idx.shape[0], device=idx.device, dtype=torch.int64)
+    return (start.mul_(block_size)[:, None] + idx.long()).view(-1)
+
+
 def lazy(shard: ShardState, g: torch.Tensor, idx: torch.Tensor, block_size: int, hp: dict,
          model_out: torch.Tensor) -> None:
     """DESIGN §1 step 3: AdamS at the mask coordinates; the rest are frozen (``age += 1``).
@@ -158,8 +164,7 @@ def catchup_snr(shard: ShardState, g: torch.Tensor, idx: torch.Tensor, block_siz
     when the signal dominates (full catch-up), down to ``(a+1)^floor`` on pure noise.
     Moment and decay as :func:`catchup_mean`. Torch ops (not fused).
     """
-    flat = (torch.arange(idx.shape[0], device=idx.device, dtype=torch.int64)[:, None]
-            * block_size + idx.long()).view(-1)
+    flat = mask_positions(idx, block_size)
     p_sel, m_sel = shard.master.index_select(0, flat), shard.m.index_select(0, flat)
     a1 = shard.age.index_select(0, flat).float().add_(1.0)
     gbar = g.float() / a1
