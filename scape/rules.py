@@ -176,7 +176,7 @@ def catchup_snr(shard: ShardState, g: torch.Tensor, idx: torch.Tensor, block_siz
     mu2 = (gbar.square() - sigma2 / a1).clamp_(min=0.0)
     r = mu2.mul_(a1).div_(sigma2)
     steps = torch.maximum(a1 * (r / (1.0 + r)).sqrt_(), a1.pow(floor))
-    keep = a1.mul(math.log(hp["beta1"])).exp_()
+    keep = torch.pow(hp["beta1"], a1)  # beta1^(a+1); 0 when beta1 = 0
     m_sel.mul_(keep).addcmul_(1.0 - keep, gbar)
     if hp["weight_decay"] != 0.0:
         p_sel.mul_(a1.mul(math.log1p(-hp["lr"] * hp["weight_decay"])).exp_())

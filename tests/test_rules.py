@@ -140,15 +140,16 @@ def _snr_f64(s, flat, g, hp, floor):
     return p_new - hp["lr"] * steps * m_new / (v.sqrt() + hp["eps"]), m_new
 
 
+@pytest.mark.parametrize("beta1", [0.9, 0.0], ids=["b1_0.9", "b1_0"])
 @pytest.mark.parametrize("floor", [0.0, 0.5], ids=["floor1", "floor_sqrt"])
 @pytest.mark.parametrize("world", [1, 4], ids=["W1", "W4"])
-def test_catchup_snr_matches_float64(floor, world):
+def test_catchup_snr_matches_float64(floor, world, beta1):
     s = _shard(11, extra=NOISE_STATE)
     before = _clone(s)
     idx = _mask(12, 3, 20)
     flat = _flat(idx)
     g = torch.randn(60, generator=torch.Generator().manual_seed(13)) * 3
-    hp = dict(HP, world=world)
+    hp = dict(HP, world=world, beta1=beta1)
     catchup_snr(s, g, idx, BLOCK, hp, nan_empty(60), floor=floor)
     p_ref, m_ref = _snr_f64(before, flat, g, hp, floor)
     torch.testing.assert_close(s.master[flat].double(), p_ref, rtol=1e-5, atol=1e-6)
