@@ -13,6 +13,7 @@ clean.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
 import sys
@@ -34,6 +35,7 @@ def main() -> None:
     ap.add_argument("--ckpt", required=True)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
+    faulthandler.enable()  # a native abort prints the Python stack of every thread
     torch.set_num_threads(1)
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     # a fresh file store per attempt: no key of a failed attempt can be read by the next one
