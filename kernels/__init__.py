@@ -1,7 +1,8 @@
 """Triton kernels with torch reference implementations (imported as ``scape.kernels``).
 
 CUDA tensors run the Triton kernels, CPU tensors the torch implementations in
-:mod:`scape.kernels.reference`; ``SCAPE_KERNELS=triton|torch`` forces one.
+:mod:`scape.kernels.reference` (the ground truth) or, for ``blockwise_topk``, its exact
+two-level form in :mod:`scape.kernels.topk_torch`; ``SCAPE_KERNELS=triton|torch`` forces one.
 """
 
 from .moments import adams_dense_, adams_sparse_, adamw_dense_

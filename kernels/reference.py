@@ -73,8 +73,11 @@ def blockwise_topk(score: torch.Tensor, k: int, block_size: int, *,
     if k_explore > 0:
         assert age is not None  # validated by the public function
         order = age.view(n_blocks, block_size)
-        if parts:  # ages are >= 0: chosen entries go below every eligible one
-            order = order.clone().scatter_(1, parts[0], -1)
+        if parts:  # chosen entries go below every eligible age (-1 when ages are >= 0)
+            if int(order.min()) >= 0:
+                order = order.clone().scatter_(1, parts[0], -1)
+            else:
+                order = order.to(torch.int64).scatter_(1, parts[0], -(2**32))
         # ages tie all the time (every coordinate of a mask ages alike): keys at once
         parts.append(_top_columns(_unique_keys(order, block_size), k_explore))
     cols = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)

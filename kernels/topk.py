@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import reference
+from . import topk_torch
 from ._checks import (
     FLOAT_DTYPES,
     check_block_size,
@@ -167,6 +167,8 @@ def blockwise_topk(score: torch.Tensor, k: int, block_size: int, *,
     Per block, the ``k - k_explore`` entries of largest ``|score|``; then, if ``age`` (int32,
     same length) is given, the ``k_explore`` entries of largest ``age`` among the rest. Ties
     go to the lower offset; NaN ranks below every number; -0.0 equals 0.0. Deterministic.
+    CUDA tensors run the Triton kernel; others the exact two-level torch path
+    (:mod:`scape.kernels.topk_torch`), equal bit for bit to ``reference.blockwise_topk``.
     """
     check_tensor("score", score, dtypes=FLOAT_DTYPES, ndim=1)
     block_size = check_block_size(block_size)
@@ -181,4 +183,4 @@ def blockwise_topk(score: torch.Tensor, k: int, block_size: int, *,
         raise ValueError(f"k_explore={k_explore} needs age (an int32 tensor); got age=None")
     if use_triton(score):
         return blockwise_topk_triton(score, k, block_size, age=age, k_explore=k_explore)
-    return reference.blockwise_topk(score, k, block_size, age=age, k_explore=k_explore)
+    return topk_torch.blockwise_topk(score, k, block_size, age=age, k_explore=k_explore)

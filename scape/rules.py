@@ -118,15 +118,16 @@ def catchup_sqrt(shard: ShardState, g: torch.Tensor, idx: torch.Tensor, block_si
 
 
 def accumulated_score(shard: ShardState) -> torch.Tensor:
-    """``|m| * (age + 1)``: an estimate of the gradient mass waiting in the residuals.
+    """``m * (age + 1)``, ranked by its magnitude: the gradient mass waiting in the residuals.
 
     A coordinate unsent for ``a`` steps has accumulated about ``(a + 1) * E[g]`` across the
     ranks' residuals, and ``m`` estimates ``E[g]``. Selecting by this product sends each
     coordinate at a rate proportional to ``|m|`` instead of re-sending the same large-``|m|``
-    coordinates while the rest wait for ``explore``.
+    coordinates while the rest wait for ``explore``. The mask takes ``|score|``, so the sign
+    is left in (one pass, no ``abs``; rounding is sign-symmetric, so the magnitudes are
+    bitwise those of ``|m| + |m| * age``).
     """
-    mag = shard.m.abs()
-    return mag.addcmul_(mag, shard.age)  # |m| + |m|*age in two passes (age promotes)
+    return torch.addcmul(shard.m, shard.m, shard.age)  # age promotes to fp32
 
 
 NOISE_BETA = 0.95

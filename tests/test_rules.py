@@ -115,12 +115,14 @@ def test_catchup_mean_at_age_zero_is_lazy():
 def test_accumulated_score_orders_by_mass():
     s = _shard(10)
     sc = accumulated_score(s)
-    torch.testing.assert_close(sc, s.m.abs() * (s.age.float() + 1))
+    torch.testing.assert_close(sc, s.m * (s.age.float() + 1))
+    mag = s.m.abs()  # the magnitude the mask ranks is bitwise addcmul(|m|, |m|, age)
+    assert torch.equal(sc.abs(), mag.addcmul(mag, s.age))
     # a coordinate with half |m| but three times the age outranks the other
-    s.m[:2] = torch.tensor([1.0, 0.5])
+    s.m[:2] = torch.tensor([1.0, -0.5])
     s.age[:2] = torch.tensor([1, 5], dtype=torch.int32)
     sc = accumulated_score(s)
-    assert sc[1] > sc[0]
+    assert sc[1].abs() > sc[0].abs()
 
 
 def _snr_f64(s, flat, g, hp, floor):
