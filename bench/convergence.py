@@ -281,6 +281,8 @@ def table(paths: list[str], dense_ref: float | None = None) -> str:
                 continue
             seen.add(key)
             ratio = r["final_val_loss"] / dense_ref if dense_ref else r["ratio_to_dense"]
+            if ratio is None:
+                raise ValueError(f"{path}: ran with --no-dense; give --dense-loss for its ratios")
             local = v.get("optimizer") in LOCAL_SGD
             name = v["name"].split("@")[0] + (f" (W={r['world']})" if local else "")
             loss = f"{r['final_val_loss']:.4f}"
@@ -310,6 +312,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dense-loss", type=float, default=None,
                     help="with --lr: the dense AdamS loss measured by an earlier run of the "
                          "same workload; skips the dense run (ratios use this value)")
+    ap.add_argument("--no-dense", action="store_true",
+                    help="with --lr: skip the dense run and record no ratio (for a dense run "
+                         "going on in parallel; `--table FILES --dense-loss X` fills ratios in)")
     ap.add_argument("--model", default="small")
     ap.add_argument("--data", default=None)
     ap.add_argument("--threads", type=int, default=2)
@@ -361,11 +366,13 @@ def main(argv: list[str] | None = None) -> int:
     results: list[dict[str, Any]] = []
     started = time.perf_counter()
 
-    if args.dense_loss is not None and args.lr is None:
-        ap.error("--dense-loss needs --lr (the learning rate that loss was measured at)")
+    if (args.dense_loss is not None or args.no_dense) and args.lr is None:
+        ap.error("--dense-loss and --no-dense need --lr (the dense run's learning rate)")
+    if args.dense_loss is not None and args.no_dense:
+        ap.error("--dense-loss and --no-dense exclude each other")
     lrs = [args.lr] if args.lr is not None else args.dense_lrs
     dense_rows = []
-    for lr in lrs if args.dense_loss is None else []:
+    for lr in lrs if args.dense_loss is None and not args.no_dense else []:
         print(f"dense AdamS lr={lr:g}", flush=True)
         r = train(dict(name=f"dense-adams-lr{lr:g}", sparsity=0.0, lr=lr), w, corpus)
         dense_rows.append(r)
@@ -404,7 +411,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  W=1 {first['final_val_loss']:.4f}  W={args.check_world} "
               f"{multi['final_val_loss']:.4f}", flush=True)
     for r in results:
-        r["ratio_to_dense"] = r["final_val_loss"] / dense_loss
+        r["ratio_to_dense"] = None if dense_loss is None else r["final_val_loss"] / dense_loss
     report = {"schema": SCHEMA, "workload": dataclasses.asdict(w), "dense_lr": lr,
               "dense_val_loss": dense_loss, "command": " ".join(["python -m bench.convergence"]
                                                                + (argv or sys.argv[1:])),
@@ -421,8 +428,9 @@ def main(argv: list[str] | None = None) -> int:
         json.dump(report, f, indent=1)
     print(f"\n{'variant':34s} {'val loss':>9s} {'ratio':>7s} {'bytes/step/rank':>16s}")
     for r in results:
+        ratio = "–" if r["ratio_to_dense"] is None else f"{r['ratio_to_dense']:.3f}"
         print(f"{r['variant']['name']:34s} {r['final_val_loss']:9.4f} "
-              f"{r['ratio_to_dense']:7.3f} {r['bytes_per_step']:16,.0f}")
+              f"{ratio:>7s} {r['bytes_per_step']:16,.0f}")
     print(f"wrote {out}")
     return 0
 

@@ -40,6 +40,21 @@ def test_convergence_smoke(tmp_path):
     assert check["world"] == 2 and abs(check["relative_difference"]) < 1e-3, check
 
 
+def test_convergence_no_dense_leaves_ratios_to_the_table(tmp_path):
+    """--no-dense (a dense run going on in parallel): no dense row, no ratio recorded; the
+    table refuses the file without --dense-loss and fills the ratios in with it."""
+    from bench.convergence import table
+
+    out = str(tmp_path / "c.json")
+    rep = _run("bench.convergence", out, "--lr", "0.003", "--no-dense", "--variants", "lazy")
+    assert [r["variant"]["name"] for r in rep["results"]] == ["lazy@0.9"]
+    assert rep["dense_val_loss"] is None and rep["results"][0]["ratio_to_dense"] is None
+    with pytest.raises(ValueError, match="--no-dense"):
+        table([out])
+    loss = rep["results"][0]["final_val_loss"]
+    assert f"| {loss:.4f} | {loss / 2.5:.3f} |" in table([out], 2.5)
+
+
 @pytest.mark.timeout(200)
 def test_convergence_local_step_row_smoke(tmp_path):
     """One SparseLoCo row on 2 gloo ranks beside the single-process dense row; its bytes per
