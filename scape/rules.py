@@ -153,7 +153,8 @@ def observe_local_noise(shard: ShardState, buf: torch.Tensor, error_feedback: bo
 
 
 def catchup_snr(shard: ShardState, g: torch.Tensor, idx: torch.Tensor, block_size: int,
-                hp: dict, model_out: torch.Tensor, floor: float = 0.0) -> None:
+                hp: dict, model_out: torch.Tensor, floor: float = 0.0,
+                agree: bool = False) -> None:
     """Catch-up whose number of steps follows the signal-to-noise ratio of what arrived.
 
     ``g`` is the sum of ``a + 1`` global-mean gradients. With ``sigma^2`` the per-step noise
@@ -164,6 +165,9 @@ def catchup_snr(shard: ShardState, g: torch.Tensor, idx: torch.Tensor, block_siz
     ``n = max((a+1)^floor, (a+1) * sqrt(r / (1 + r)))`` normalized AdamS steps: all ``a+1``
     when the signal dominates (full catch-up), down to ``(a+1)^floor`` on pure noise.
     Moment and decay as :func:`catchup_mean`. Torch ops (not fused).
+
+    ``agree=True`` (:func:`catchup_agree`) sizes the step by what dense AdamS would have
+    moved instead: ``n = max((a+1)^floor, (a+1) * erf(|mu| / (sigma_m sqrt 2)))``.
     """
     flat = mask_positions(idx, block_size)
     p_sel, m_sel = shard.master.index_select(0, flat), shard.m.index_select(0, flat)
@@ -175,8 +179,13 @@ def catchup_snr(shard: ShardState, g: torch.Tensor, idx: torch.Tensor, block_siz
         shard.extra["s2w"].index_select(0, flat).clamp_(min=1e-12))
     sigma2 = (s2 - m_sel.square()).clamp_(min=0.0).div_(hp.get("world", 1)).add_(1e-30)
     mu2 = (gbar.square() - sigma2 / a1).clamp_(min=0.0)
-    r = mu2.mul_(a1).div_(sigma2)
-    steps = torch.maximum(a1 * (r / (1.0 + r)).sqrt_(), a1.pow(floor))
+    if agree:  # noise of dense AdamS's m: the EMA of per-step means
+        sigma_m2 = sigma2 * ((1.0 - hp["beta1"]) / (1.0 + hp["beta1"]))
+        frac = torch.special.erf(mu2.div_(sigma_m2.mul_(2.0)).sqrt_())
+    else:
+        r = mu2.mul_(a1).div_(sigma2)
+        frac = (r / (1.0 + r)).sqrt_()
+    steps = torch.maximum(a1 * frac, a1.pow(floor))
     keep = torch.pow(hp["beta1"], a1)  # beta1^(a+1); 0 when beta1 = 0
     m_sel.mul_(keep).addcmul_(1.0 - keep, gbar)
     if hp["weight_decay"] != 0.0:
@@ -187,6 +196,21 @@ def catchup_snr(shard: ShardState, g: torch.Tensor, idx: torch.Tensor, block_siz
     shard.age.add_(1)
     shard.age.index_fill_(0, flat, 0)
     model_out.copy_(p_sel)
+
+
+def catchup_agree(shard: ShardState, g: torch.Tensor, idx: torch.Tensor, block_size: int,
+                  hp: dict, model_out: torch.Tensor) -> None:
+    """Catch-up sized like dense AdamS's own displacement over the ``a + 1`` steps.
+
+    AdamS steps by about ``sign(m)`` every step (``m^2`` is its second-moment proxy), so over
+    ``a + 1`` steps it moves ``(a + 1) * E[sign(m_t)]`` along the mean. With the per-step mean
+    ``mu`` and the noise of its moment ``sigma_m^2 = sigma^2 (1 - beta1) / (1 + beta1)`` (an
+    EMA of per-step means of variance ``sigma^2``), ``E[sign(m_t)] = erf(|mu| / (sigma_m
+    sqrt 2))`` for Gaussian noise. Unlike :func:`catchup_snr`, the fraction does not grow with
+    the wait: a coordinate whose per-step sign is a coin toss moves little however long it
+    waited. Floor one step; ``mu^2``, ``sigma^2`` and the rest as :func:`catchup_snr`.
+    """
+    catchup_snr(shard, g, idx, block_size, hp, model_out, agree=True)
 
 
 def catchup_snr_sqrt(shard: ShardState, g: torch.Tensor, idx: torch.Tensor, block_size: int,
@@ -211,6 +235,8 @@ RULES: dict[str, Rule] = {
     "drift_commit_accum": Rule(catchup_mean, accumulated_score, DriftSpec(0.99, True)),
     "catchup_snr_accum": Rule(catchup_snr, accumulated_score, observe=observe_local_noise,
                               extra=NOISE_STATE),
+    "catchup_agree_accum": Rule(catchup_agree, accumulated_score, observe=observe_local_noise,
+                                extra=NOISE_STATE),
     "catchup_snr_sqrt_accum": Rule(catchup_snr_sqrt, accumulated_score,
                                    observe=observe_local_noise, extra=NOISE_STATE),
 }

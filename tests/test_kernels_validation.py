@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from scape import kernels
-from scape.kernels import moments, reference, sparse, stats, topk
+from scape.kernels import moments, reference, sparse, stats, topk, topk_torch
 
 B = 256
 N = 2 * B
@@ -159,7 +159,7 @@ def test_triton_on_cpu_needs_the_interpreter(monkeypatch):
 
 
 LAUNCHES = [
-    (topk, "blockwise_topk_triton", reference, "blockwise_topk",
+    (topk, "blockwise_topk_triton", topk_torch, "blockwise_topk",
      lambda: kernels.blockwise_topk(torch.randn(N), 4, B)),
     (sparse, "take_triton", reference, "take_", lambda: kernels.take_(_f(), _idx(), B)),
     (sparse, "gather_triton", reference, "gather", lambda: kernels.gather(_f(), _idx(), B)),

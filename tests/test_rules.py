@@ -3,6 +3,8 @@ must keep (only mask coordinates change; ages reset at the mask and grow elsewhe
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from conftest import nan_empty
@@ -13,6 +15,7 @@ from scape.rules import (
     RULES,
     ShardState,
     accumulated_score,
+    catchup_agree,
     catchup_mean,
     catchup_snr,
     catchup_snr_sqrt,
@@ -125,8 +128,8 @@ def test_accumulated_score_orders_by_mass():
     assert sc[1].abs() > sc[0].abs()
 
 
-def _snr_f64(s, flat, g, hp, floor):
-    """catchup_snr re-derived in float64 from its docstring."""
+def _snr_f64(s, flat, g, hp, floor, agree=False):
+    """catchup_snr (and catchup_agree) re-derived in float64 from their docstrings."""
     p, m = s.master[flat].double(), s.m[flat].double()
     a1 = s.age[flat].double() + 1
     gbar = g.double() / a1
@@ -134,7 +137,11 @@ def _snr_f64(s, flat, g, hp, floor):
     sigma2 = sigma2.clamp(min=0) / hp.get("world", 1) + 1e-30
     mu2 = (gbar ** 2 - sigma2 / a1).clamp(min=0)
     r = mu2 * a1 / sigma2
-    steps = torch.maximum(a1 * (r / (1 + r)).sqrt(), a1 ** floor)
+    frac = (r / (1 + r)).sqrt()
+    if agree:
+        sigma_m = (sigma2 * (1 - hp["beta1"]) / (1 + hp["beta1"])).sqrt()
+        frac = torch.special.erf(mu2.sqrt() / (sigma_m * math.sqrt(2)))
+    steps = torch.maximum(a1 * frac, a1 ** floor)
     v = hp["beta2"] * m ** 2 + (1 - hp["beta2"]) * gbar ** 2
     d = hp["beta1"] ** a1
     m_new = d * m + (1 - d) * gbar
@@ -156,6 +163,46 @@ def test_catchup_snr_matches_float64(floor, world, beta1):
     p_ref, m_ref = _snr_f64(before, flat, g, hp, floor)
     torch.testing.assert_close(s.master[flat].double(), p_ref, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(s.m[flat].double(), m_ref, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("beta1", [0.9, 0.0], ids=["b1_0.9", "b1_0"])
+@pytest.mark.parametrize("world", [1, 4], ids=["W1", "W4"])
+def test_catchup_agree_matches_float64(world, beta1):
+    s = _shard(21, extra=NOISE_STATE)
+    s.extra["s2"].mul_(0.05)  # noise comparable to the means: fractions well inside (0, 1)
+    before = _clone(s)
+    idx = _mask(22, 3, 20)
+    flat = _flat(idx)
+    g = torch.randn(60, generator=torch.Generator().manual_seed(23)) * 3
+    hp = dict(HP, world=world, beta1=beta1)
+    catchup_agree(s, g, idx, BLOCK, hp, nan_empty(60))
+    p_ref, m_ref = _snr_f64(before, flat, g, hp, 0.0, agree=True)
+    torch.testing.assert_close(s.master[flat].double(), p_ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(s.m[flat].double(), m_ref, rtol=1e-5, atol=1e-7)
+    moved = (s.master[flat].double() - before.master[flat].double()).abs()
+    assert bool((moved > 0).all())
+
+
+def test_catchup_agree_limits():
+    """No noise: full catch-up. Pure noise: one step (the floor), however long the wait."""
+    idx = _mask(24, 3, 16)
+    flat = _flat(idx)
+    g = torch.randn(48, generator=torch.Generator().manual_seed(25))
+    quiet = _shard(26, extra=NOISE_STATE)
+    quiet.extra["s2"].copy_(quiet.m.square())
+    quiet.extra["s2w"].fill_(1.0)
+    ref = _clone(quiet)
+    catchup_agree(quiet, g, idx, BLOCK, HP, nan_empty(48))
+    catchup_mean(ref, g, idx, BLOCK, HP, nan_empty(48))
+    torch.testing.assert_close(quiet.master, ref.master, rtol=1e-6, atol=1e-6)
+    noisy = _shard(27, extra=NOISE_STATE)
+    noisy.extra["s2"].fill_(1e6)
+    noisy.extra["s2w"].fill_(1.0)
+    ref = _clone(noisy)
+    catchup_agree(noisy, g * 1e-6, idx, BLOCK, HP, nan_empty(48))
+    catchup_mean(ref, g * 1e-6, idx, BLOCK, HP, nan_empty(48), power=0.0)
+    torch.testing.assert_close(noisy.master, ref.master, rtol=1e-6, atol=1e-6)
+    assert bool((noisy.age[flat] == 0).all())
 
 
 def test_catchup_snr_limits():
