@@ -43,6 +43,7 @@ import argparse
 import dataclasses
 import datetime
 import json
+import math
 import os
 import platform
 import sys
@@ -250,6 +251,66 @@ def variants(sparsities: list[float], names: list[str] | None,
     return rows
 
 
+def _load_reports(paths: list[str]) -> list[tuple[str, dict[str, Any]]]:
+    reports = []
+    for path in paths:
+        with open(path) as f:
+            rep = json.load(f)
+        if rep.get("schema") != SCHEMA:
+            raise ValueError(f"{path}: not a {SCHEMA} report")
+        reports.append((path, rep))
+    return reports
+
+
+def _dense_losses(reports: list[tuple[str, dict[str, Any]]]) -> dict[tuple, float]:
+    """The best dense AdamS loss per workload (steps, accum, model) among the reports' rows:
+    the sweep's choice when its learning rates ran as separate files."""
+    best: dict[tuple, float] = {}
+    for _, rep in reports:
+        w = rep["workload"]
+        key = (w["steps"], w["accum"], w["model"])
+        for r in rep["results"]:
+            if r["variant"]["name"].startswith("dense-adams"):
+                best[key] = min(best.get(key, math.inf), r["final_val_loss"])
+    return best
+
+
+def _ratio(path: str, rep: dict[str, Any], r: dict[str, Any], dense_ref: float | None,
+           dense: dict[tuple, float]) -> float:
+    if dense_ref:
+        return r["final_val_loss"] / dense_ref
+    if r["ratio_to_dense"] is not None:
+        return r["ratio_to_dense"]
+    w = rep["workload"]
+    ref = dense.get((w["steps"], w["accum"], w["model"]))
+    if ref is None:
+        raise ValueError(f"{path}: ran with --no-dense; give --dense-loss or a file with the "
+                         f"dense run of the same workload for its ratios")
+    return r["final_val_loss"] / ref
+
+
+def plot_gap(paths: list[str], out: str, dense_ref: float | None = None) -> bool:
+    """Ratio to dense AdamS against steps x density (the syncs a coordinate gets on average),
+    one series per rule and sparsity, from the sparse rows of the given result files."""
+    from bench.report import plot_points
+
+    reports = _load_reports(paths)
+    dense = _dense_losses(reports)
+    series: dict[str, set[tuple[float, float]]] = {}
+    for path, rep in reports:
+        for r in rep["results"]:
+            sp = r["variant"].get("sparsity", 0.0)
+            if sp <= 0 or r["variant"].get("optimizer") in LOCAL_SGD:
+                continue
+            name = f"{r['variant']['name'].split('@')[0]} @ {sp:g}"
+            x = rep["workload"]["steps"] * (1.0 - sp)
+            series.setdefault(name, set()).add((x, _ratio(path, rep, r, dense_ref, dense)))
+    return plot_points({k: sorted(v) for k, v in sorted(series.items())}, out,
+                       xlabel="steps x density (syncs per coordinate)",
+                       ylabel="final val loss / dense AdamS", logx=True, hline=1.0,
+                       title="gap to dense AdamS against training length")
+
+
 def table(paths: list[str], dense_ref: float | None = None) -> str:
     """A markdown table of every row of the given result files, with the command of each.
 
@@ -264,11 +325,9 @@ def table(paths: list[str], dense_ref: float | None = None) -> str:
              "bytes/step/rank | command |", "|---|---|---|---|---|---|---|---|"]
     notes: list[str] = []
     seen: set[tuple] = set()
-    for path in paths:
-        with open(path) as f:
-            rep = json.load(f)
-        if rep.get("schema") != SCHEMA:
-            raise ValueError(f"{path}: not a {SCHEMA} report")
+    reports = _load_reports(paths)
+    dense_losses = _dense_losses(reports)
+    for path, rep in reports:
         w = rep["workload"]
         dense = rep.get("dense_adams_bytes_per_step")
         if dense:
@@ -280,9 +339,7 @@ def table(paths: list[str], dense_ref: float | None = None) -> str:
             if key in seen:  # the same run repeated in another file (runs are deterministic)
                 continue
             seen.add(key)
-            ratio = r["final_val_loss"] / dense_ref if dense_ref else r["ratio_to_dense"]
-            if ratio is None:
-                raise ValueError(f"{path}: ran with --no-dense; give --dense-loss for its ratios")
+            ratio = _ratio(path, rep, r, dense_ref, dense_losses)
             local = v.get("optimizer") in LOCAL_SGD
             name = v["name"].split("@")[0] + (f" (W={r['world']})" if local else "")
             loss = f"{r['final_val_loss']:.4f}"
@@ -335,10 +392,17 @@ def main(argv: list[str] | None = None) -> int:
                     help="also train dense AdamW (scape.DistributedAdamW, one process, at the "
                          "local-step rows' inner lr): their inner optimizer without local steps")
     ap.add_argument("--table", nargs="+", default=None, metavar="JSON",
-                    help="print a markdown table of these result files and exit")
+                    help="print a markdown table of these result files and exit; ratios of "
+                         "--no-dense files come from --dense-loss or the dense rows of the "
+                         "same workload among the files")
+    ap.add_argument("--plot", default=None, metavar="PNG",
+                    help="with --table: also plot the ratio to dense against steps x density")
     args = ap.parse_args(argv)
     if args.table:
         print(table(args.table, args.dense_loss))
+        if args.plot:
+            print(f"wrote {args.plot}" if plot_gap(args.table, args.plot, args.dense_loss)
+                  else "no plot written")
         return 0
 
     w = Workload(model=args.model, steps=args.steps, accum=args.accum, threads=args.threads,

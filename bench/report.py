@@ -100,3 +100,29 @@ def plot_bytes(runs: Sequence[dict[str, Any]], path: str, title: str = "") -> bo
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return True
+
+
+def plot_points(series: dict[str, list[tuple[float, float]]], path: str, *, xlabel: str,
+                ylabel: str, title: str = "", logx: bool = False, hline: float | None = None
+                ) -> bool:
+    """One line of markers per series (points sorted by x); an optional horizontal line."""
+    plt = _pyplot()
+    if plt is None:
+        return False
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, pts in series.items():
+        pts = sorted(pts)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=4, label=name)
+    if hline is not None:
+        ax.axhline(hline, color="black", lw=0.8, ls="--")
+    if logx:
+        ax.set_xscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True

@@ -42,8 +42,9 @@ def test_convergence_smoke(tmp_path):
 
 def test_convergence_no_dense_leaves_ratios_to_the_table(tmp_path):
     """--no-dense (a dense run going on in parallel): no dense row, no ratio recorded; the
-    table refuses the file without --dense-loss and fills the ratios in with it."""
-    from bench.convergence import table
+    table refuses the file without --dense-loss and fills the ratios in with it, or with the
+    dense row of the same workload from another file; the gap plot is written."""
+    from bench.convergence import plot_gap, table
 
     out = str(tmp_path / "c.json")
     rep = _run("bench.convergence", out, "--lr", "0.003", "--no-dense", "--variants", "lazy")
@@ -53,6 +54,14 @@ def test_convergence_no_dense_leaves_ratios_to_the_table(tmp_path):
         table([out])
     loss = rep["results"][0]["final_val_loss"]
     assert f"| {loss:.4f} | {loss / 2.5:.3f} |" in table([out], 2.5)
+    # or from the dense row of the same workload in another file (a parallel dense run)
+    dense_out = str(tmp_path / "d.json")
+    dense = _run("bench.convergence", dense_out, "--variants", "none")["results"][0]
+    assert dense["variant"]["name"].startswith("dense-adams")
+    ratio = loss / dense["final_val_loss"]
+    assert f"| {loss:.4f} | {ratio:.3f} |" in table([out, dense_out])
+    png = tmp_path / "gap.png"
+    assert plot_gap([out, dense_out], str(png)) and png.stat().st_size > 0
 
 
 @pytest.mark.timeout(200)
