@@ -7,10 +7,12 @@ with exactly the state of an uninterrupted run of the same script (hash of param
 weights, moments, ages, residuals and masks, per rank). Both runs are bounded by a deadline.
 
 Both runs may restart once more than the plan needs (``--max-restarts=2`` and 1): on a loaded
-2-core machine a restarted gloo worker has, rarely, died with SIGABRT before its first step
-(cause not found; the workers run with ``faulthandler`` so the next one prints its stack). A
-spare restart is what a real job has for that, and it still must resume from the last complete
-checkpoint and end bit-identical; it is reported as a warning, never hidden.
+2-core machine a gloo worker has, rarely, died with SIGABRT ("terminate called without an
+active exception"; ``faulthandler`` showed no Python frame: torch's teardown at interpreter
+exit, after the work was done). The script now leaves by ``os._exit(0)`` after
+``destroy_process_group``; should another abort come, a spare restart is what a real job has
+for it, and it still must resume from the last complete checkpoint and end bit-identical. It
+is reported as a warning, never hidden.
 """
 
 from __future__ import annotations
