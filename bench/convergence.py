@@ -227,7 +227,8 @@ def variants(sparsities: list[float], names: list[str] | None,
 
     Per sparsity: every rule of :data:`scape.rules.RULES` at the default schedule, and the
     schedule variants (explore, warm-up, dense refresh, error feedback off) for both the
-    plain ``lazy`` rule and the library's default ``catchup_accum``. A row is named
+    plain ``lazy`` rule and ``catchup_accum`` (the library's default when those rows were
+    measured; ``catchup_sqrt_accum`` is now). A row is named
     ``<rule>[-<schedule change>]@<sparsity>``.
     """
     from scape.rules import RULES
