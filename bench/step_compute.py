@@ -10,11 +10,13 @@ same model and W.
 
     python -m bench.step_compute                      # model "base", W=4, 30 timed steps
     python -m bench.step_compute --smoke
+    python -m bench.step_compute --update catchup_agree_accum      # another sparse rule
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import statistics
@@ -34,20 +36,23 @@ OPTIMIZERS = {
 }
 
 
-def build(model_name: str, world: int, kind: str) -> tuple[torch.optim.Optimizer, int]:
+def build(model_name: str, world: int, kind: str,
+          update: str | None = None) -> tuple[torch.optim.Optimizer, int]:
+    """One optimizer on a fresh model; ``update`` picks the sparse rule (default: the
+    library's)."""
     model = GPT(get_config(model_name), seed=0)
     comm = NullCommunicator(world, 0)
     if kind == "dist_adamw":
         return scape.DistributedAdamW(model.parameters(), lr=1e-3, comm=comm), num_params(model)
-    return scape.SCAPE(model.parameters(), lr=1e-3, comm=comm, **OPTIMIZERS[kind]), \
-        num_params(model)
+    kw = dict(OPTIMIZERS[kind], **({"update": update} if update else {}))
+    return scape.SCAPE(model.parameters(), lr=1e-3, comm=comm, **kw), num_params(model)
 
 
 def time_steps(model_name: str, world: int, kinds: list[str], steps: int,
-               warm: int) -> list[dict]:
+               warm: int, update: str | None = None) -> list[dict]:
     """Median step time of each optimizer, their steps interleaved round-robin so that a
     change in machine load hits all of them alike (the ratios are what we report)."""
-    built = {k: build(model_name, world, k) for k in kinds}
+    built = {k: build(model_name, world, k, update) for k in kinds}
     gen = torch.Generator().manual_seed(0)
     grads = {k: [torch.randn(b.n_pad, generator=gen) * 1e-2 for b in opt.buckets]  # type: ignore[attr-defined]
              for k, (opt, _) in built.items()}
@@ -78,11 +83,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default="bench/results/step_compute.json")
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--update", default=None, help="sparse rule of the SCAPE rows "
+                    "(default: the library's default)")
     args = ap.parse_args(argv)
     if args.smoke:
         args.model, args.world, args.steps = "tiny", 2, 3
     torch.set_num_threads(args.threads)
-    rows = time_steps(args.model, args.world, [*OPTIMIZERS, "dist_adamw"], args.steps, warm=3)
+    update = args.update or inspect.signature(scape.SCAPE).parameters["update"].default
+    rows = time_steps(args.model, args.world, [*OPTIMIZERS, "dist_adamw"], args.steps, warm=3,
+                      update=update)
     for r in rows:
         print(f"{r['optimizer']:12s} median {r['median_s'] * 1e3:8.2f} ms  "
               f"min {r['min_s'] * 1e3:8.2f} ms  bytes/step {r['bytes']:>10d}  "
@@ -93,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     ratio = rows[2]["ratio_to_dense_adams"]
     print(f"SCAPE-0.99 / dense sharded AdamS local compute: {ratio:.2f}x (target <= 1.5x)")
     report = {"schema": SCHEMA, "model": args.model, "world": args.world,
-              "threads": args.threads, "steps": args.steps, "rows": rows}
+              "threads": args.threads, "steps": args.steps, "update": update, "rows": rows}
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1)

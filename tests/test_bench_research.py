@@ -3,6 +3,7 @@ the null communicator they time with."""
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import subprocess
@@ -11,6 +12,7 @@ import sys
 import pytest
 import torch
 
+import scape
 from bench.nullcomm import NullCommunicator
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -132,6 +134,12 @@ def test_step_compute_smoke(tmp_path):
     assert rows["dense_adams"]["dense_step"] and not rows["scape_0.99"]["dense_step"]
     assert rows["scape_0.99"]["bytes"] < rows["scape_0.9"]["bytes"] < rows["dense_adams"]["bytes"]
     assert all(r["median_s"] > 0 for r in rows.values())
+    assert rep["update"] == inspect.signature(scape.SCAPE).parameters["update"].default
+
+
+def test_step_compute_update_option(tmp_path):
+    rep = _run("bench.step_compute", str(tmp_path / "s.json"), "--update", "lazy")
+    assert rep["update"] == "lazy" and not rep["rows"][2]["dense_step"]
 
 
 @pytest.mark.parametrize("world,rank", [(1, 0), (4, 2)])
