@@ -25,8 +25,9 @@ maximal entry taken).
 (measured: 31 vs 21 ms at k = 410 of 4096 on one core), and the single-level reference path
 runs instead.
 
-Bytes: the score is read twice (its integer image, then the group maxima), ``age`` once (group
-maxima); the kept entries (~``8 k`` per block of ``block_size``) are gathered.
+Bytes: the score is read twice (its integer image, then the group maxima) and ``age`` twice (a
+copy with the taken entries lowered, then its group maxima); the kept entries, at most
+``block_size / 8`` per block, are gathered.
 """
 
 from __future__ import annotations
