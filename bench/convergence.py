@@ -292,7 +292,8 @@ def _ratio(path: str, rep: dict[str, Any], r: dict[str, Any], dense_ref: float |
 
 def plot_gap(paths: list[str], out: str, dense_ref: float | None = None) -> bool:
     """Ratio to dense AdamS against steps x density (the syncs a coordinate gets on average),
-    one series per rule and sparsity, from the sparse rows of the given result files."""
+    one series per rule and sparsity measured at two or more training lengths, from the sparse
+    rows of the given result files."""
     from bench.report import plot_points
 
     reports = _load_reports(paths)
@@ -306,7 +307,8 @@ def plot_gap(paths: list[str], out: str, dense_ref: float | None = None) -> bool
             name = f"{r['variant']['name'].split('@')[0]} @ {sp:g}"
             x = rep["workload"]["steps"] * (1.0 - sp)
             series.setdefault(name, set()).add((x, _ratio(path, rep, r, dense_ref, dense)))
-    return plot_points({k: sorted(v) for k, v in sorted(series.items())}, out,
+    lengths = {k: v for k, v in sorted(series.items()) if len({x for x, _ in v}) > 1}
+    return plot_points({k: sorted(v) for k, v in lengths.items()}, out,
                        xlabel="steps x density (syncs per coordinate)",
                        ylabel="final val loss / dense AdamS", logx=True, hline=1.0,
                        title="gap to dense AdamS against training length")

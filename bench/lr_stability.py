@@ -40,16 +40,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lrs", type=float, nargs="+", default=[3e-2, 1e-2, 3e-3])
     ap.add_argument("--rules", nargs="+",
                     default=["lazy", "catchup_mean", "catchup_accum", "catchup_sqrt_accum"])
+    ap.add_argument("--dense", action="store_true",
+                    help="add a column of dense AdamS (sparsity 0; the same in both rows)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    print("| lr | sparsity | " + " | ".join(args.rules) + " |")
-    print("|---|---|" + "---|" * len(args.rules))
+    names = args.rules + ["dense AdamS"] * args.dense
+    print("| lr | sparsity | " + " | ".join(names) + " |")
+    print("|---|---|" + "---|" * len(names))
     for lr in args.lrs:
+        dense = run(0.0, lr, "lazy") if args.dense else None
         for sp in (0.9, 0.99):
             cells = []
             for rule in args.rules:
                 first, last = run(sp, lr, rule)
                 cells.append(f"{first:.1f} -> {last:.1f}")
+            if dense is not None:
+                cells.append(f"{dense[0]:.1f} -> {dense[1]:.1f}")
             print(f"| {lr:g} | {sp:g} | " + " | ".join(cells) + " |", flush=True)
     return 0
 

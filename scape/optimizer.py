@@ -84,10 +84,12 @@ class SCAPE(ShardedOptimizer):
         update: the sparse-step rule, a key of :data:`scape.rules.RULES`. The default,
             ``"catchup_sqrt_accum"``, selects by accumulated mass ``|m|*(age+1)`` and moves
             a coordinate ``sqrt(age+1)`` AdamS steps from the mean of the gradients it
-            missed: the best rule of the convergence ablation at 2,000 steps
-            (bench/README.md). At sparsity 0.9 ``"catchup_snr_accum"`` (steps sized by the
-            owner's local noise estimate) measured best: 0.95x dense AdamS's loss over 2,000
-            steps. ``"lazy"`` is DESIGN §1's baseline.
+            missed: the best rule of the convergence ablation at 0.99 over its longest run
+            (8,000 steps), stable at high learning rates, no extra state (bench/README.md).
+            ``"catchup_agree_accum"`` (steps sized like dense AdamS's expected displacement)
+            is the best at 0.99 up to 2,000 steps; at sparsity 0.9 it and
+            ``"catchup_snr_accum"`` end ahead of dense AdamS over 2,000 steps (0.95x).
+            ``"lazy"`` is DESIGN §1's baseline.
         max_grad_norm: clip the synchronized gradient to this norm (None: no clipping).
         grad_comm_dtype: dtype of gradients on the wire (float32, bfloat16, float16).
         comm: a :class:`scape.comm.Communicator`; default: a ``TorchCommunicator`` on the

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import math
 import os
 import subprocess
 import sys
@@ -157,3 +158,20 @@ def test_null_communicator(world, rank):
     assert c.stats["reduce_scatter"] == {"calls": 1, "bytes": inp.nbytes}
     with pytest.raises(ValueError):
         c.all_gather(torch.empty(5), x)
+
+
+def test_lr_stability_table(capsys):
+    """One lr, one rule and the dense column: a markdown row per sparsity, losses finite and
+    the dense cell the same in both rows (sparsity does not apply to it)."""
+    from bench.lr_stability import main
+
+    assert main(["--lrs", "0.003", "--rules", "lazy", "--dense"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0] == "| lr | sparsity | lazy | dense AdamS |"
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in lines[2:]]
+    assert [r[:2] for r in rows] == [["0.003", "0.9"], ["0.003", "0.99"]]
+    for r in rows:
+        for cell in r[2:]:
+            first, last = (float(v) for v in cell.split(" -> "))
+            assert math.isfinite(first) and math.isfinite(last) and first > 0
+    assert rows[0][3] == rows[1][3]
