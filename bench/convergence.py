@@ -290,12 +290,10 @@ def _ratio(path: str, rep: dict[str, Any], r: dict[str, Any], dense_ref: float |
     return r["final_val_loss"] / ref
 
 
-def plot_gap(paths: list[str], out: str, dense_ref: float | None = None) -> bool:
-    """Ratio to dense AdamS against steps x density (the syncs a coordinate gets on average),
-    one series per rule and sparsity measured at two or more training lengths, from the sparse
-    rows of the given result files."""
-    from bench.report import plot_points
-
+def gap_series(paths: list[str], dense_ref: float | None = None
+               ) -> dict[str, list[tuple[float, float]]]:
+    """``{"<rule> @ <sparsity>": [(steps x density, ratio to dense), ...]}`` for every rule
+    measured at two or more training lengths among the sparse rows of the given files."""
     reports = _load_reports(paths)
     dense = _dense_losses(reports)
     series: dict[str, set[tuple[float, float]]] = {}
@@ -307,9 +305,19 @@ def plot_gap(paths: list[str], out: str, dense_ref: float | None = None) -> bool
             name = f"{r['variant']['name'].split('@')[0]} @ {sp:g}"
             x = rep["workload"]["steps"] * (1.0 - sp)
             series.setdefault(name, set()).add((x, _ratio(path, rep, r, dense_ref, dense)))
-    lengths = {k: v for k, v in sorted(series.items()) if len({x for x, _ in v}) > 1}
-    return plot_points({k: sorted(v) for k, v in lengths.items()}, out,
-                       xlabel="steps x density (syncs per coordinate)",
+    return {k: sorted(v) for k, v in sorted(series.items()) if len({x for x, _ in v}) > 1}
+
+
+def plot_gap(paths: list[str], out: str, dense_ref: float | None = None) -> bool:
+    """Plot :func:`gap_series`: ratio to dense AdamS against steps x density (the syncs a
+    coordinate gets on average). False (and no file) when no rule has two lengths."""
+    from bench.report import plot_points
+
+    series = gap_series(paths, dense_ref)
+    if not series:
+        print("note: no rule was measured at two training lengths in these files; no plot")
+        return False
+    return plot_points(series, out, xlabel="steps x density (syncs per coordinate)",
                        ylabel="final val loss / dense AdamS", logx=True, hline=1.0,
                        title="gap to dense AdamS against training length")
 

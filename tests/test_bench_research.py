@@ -63,8 +63,32 @@ def test_convergence_no_dense_leaves_ratios_to_the_table(tmp_path):
     assert dense["variant"]["name"].startswith("dense-adams")
     ratio = loss / dense["final_val_loss"]
     assert f"| {loss:.4f} | {ratio:.3f} |" in table([out, dense_out])
+    assert not plot_gap([out, dense_out], str(tmp_path / "gap.png"))  # one length only
+
+
+def test_gap_plot_needs_two_lengths(tmp_path):
+    """A rule measured at 400 and 2,000 steps is a series of the gap plot; a rule measured at
+    one length is not (ratios from the dense row of the same workload)."""
+    from bench.convergence import SCHEMA, gap_series, plot_gap
+
+    def report(steps, rows):
+        path = tmp_path / f"r{steps}.json"
+        results = [{"variant": {"name": n, "sparsity": sp}, "final_val_loss": loss,
+                    "ratio_to_dense": None} for n, sp, loss in rows]
+        path.write_text(json.dumps({"schema": SCHEMA, "results": results, "workload":
+                                    {"steps": steps, "accum": 1, "model": "small"}}))
+        return str(path)
+
+    files = [report(400, [("dense-adams-lr0.0003", 0.0, 2.0), ("a@0.99", 0.99, 3.0),
+                          ("b@0.99", 0.99, 2.5)]),
+             report(2000, [("dense-adams-lr0.0003", 0.0, 1.5), ("a@0.99", 0.99, 2.0)])]
+    series = gap_series(files)
+    assert list(series) == ["a @ 0.99"]
+    (x0, r0), (x1, r1) = series["a @ 0.99"]
+    assert (x0, x1) == pytest.approx((4.0, 20.0)) and (r0, r1) == pytest.approx((1.5, 2.0 / 1.5))
     png = tmp_path / "gap.png"
-    assert plot_gap([out, dense_out], str(png)) and png.stat().st_size > 0
+    assert plot_gap(files, str(png)) and png.stat().st_size > 0
+    assert gap_series(files[:1]) == {} and not plot_gap(files[:1], str(tmp_path / "one.png"))
 
 
 @pytest.mark.timeout(200)
