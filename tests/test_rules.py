@@ -183,31 +183,14 @@ def test_catchup_agree_matches_float64(world, beta1):
     assert bool((moved > 0).all())
 
 
-def test_catchup_agree_limits():
-    """No noise: full catch-up. Pure noise: one step (the floor), however long the wait."""
-    idx = _mask(24, 3, 16)
-    flat = _flat(idx)
-    g = torch.randn(48, generator=torch.Generator().manual_seed(25))
-    quiet = _shard(26, extra=NOISE_STATE)
-    quiet.extra["s2"].copy_(quiet.m.square())
-    quiet.extra["s2w"].fill_(1.0)
-    ref = _clone(quiet)
-    catchup_agree(quiet, g, idx, BLOCK, HP, nan_empty(48))
-    catchup_mean(ref, g, idx, BLOCK, HP, nan_empty(48))
-    torch.testing.assert_close(quiet.master, ref.master, rtol=1e-6, atol=1e-6)
-    noisy = _shard(27, extra=NOISE_STATE)
-    noisy.extra["s2"].fill_(1e6)
-    noisy.extra["s2w"].fill_(1.0)
-    ref = _clone(noisy)
-    catchup_agree(noisy, g * 1e-6, idx, BLOCK, HP, nan_empty(48))
-    catchup_mean(ref, g * 1e-6, idx, BLOCK, HP, nan_empty(48), power=0.0)
-    torch.testing.assert_close(noisy.master, ref.master, rtol=1e-6, atol=1e-6)
-    assert bool((noisy.age[flat] == 0).all())
-
-
-def test_catchup_snr_limits():
+@pytest.mark.parametrize("quiet_rule,noisy_rule,floor_power", [
+    (catchup_snr, catchup_snr_sqrt, 0.5),
+    (catchup_agree, catchup_agree, 0.0),
+], ids=["snr", "agree"])
+def test_noise_sized_catchup_limits(quiet_rule, noisy_rule, floor_power):
     """No noise: full catch-up (catchup_mean). Pure noise (a zero mean arrived): the floor,
-    i.e. the square-root rule for catchup_snr_sqrt."""
+    i.e. the square-root rule for catchup_snr_sqrt and one step for catchup_agree, however
+    long the wait."""
     idx = _mask(14, 3, 16)
     flat = _flat(idx)
     g = torch.randn(48, generator=torch.Generator().manual_seed(15))
@@ -215,17 +198,18 @@ def test_catchup_snr_limits():
     quiet.extra["s2"].copy_(quiet.m.square())  # local variance s2 - m^2 = 0
     quiet.extra["s2w"].fill_(1.0)
     ref = _clone(quiet)
-    catchup_snr(quiet, g, idx, BLOCK, HP, nan_empty(48))
+    quiet_rule(quiet, g, idx, BLOCK, HP, nan_empty(48))
     catchup_mean(ref, g, idx, BLOCK, HP, nan_empty(48))
     torch.testing.assert_close(quiet.master, ref.master, rtol=1e-6, atol=1e-6)
     noisy = _shard(17, extra=NOISE_STATE)
     noisy.extra["s2"].fill_(1e6)
     noisy.extra["s2w"].fill_(1.0)
     ref = _clone(noisy)
-    catchup_snr_sqrt(noisy, g * 1e-6, idx, BLOCK, HP, nan_empty(48))
-    catchup_mean(ref, g * 1e-6, idx, BLOCK, HP, nan_empty(48), power=0.5)
+    noisy_rule(noisy, g * 1e-6, idx, BLOCK, HP, nan_empty(48))
+    catchup_mean(ref, g * 1e-6, idx, BLOCK, HP, nan_empty(48), power=floor_power)
     torch.testing.assert_close(noisy.master, ref.master, rtol=1e-6, atol=1e-6)
     assert bool((quiet.master[flat] != noisy.master[flat]).any())
+    assert bool((noisy.age[flat] == 0).all()) and bool((quiet.age[flat] == 0).all())
 
 
 @pytest.mark.parametrize("error_feedback", [True, False], ids=["ef", "no_ef"])
