@@ -382,7 +382,8 @@ def main(argv: list[str] | None = None) -> int:
                          "same workload; skips the dense run (ratios use this value)")
     ap.add_argument("--no-dense", action="store_true",
                     help="with --lr: skip the dense run and record no ratio (for a dense run "
-                         "going on in parallel; `--table FILES --dense-loss X` fills ratios in)")
+                         "going on in parallel; --table fills the ratios in from the dense "
+                         "run's file or --dense-loss)")
     ap.add_argument("--model", default="small")
     ap.add_argument("--data", default=None)
     ap.add_argument("--threads", type=int, default=2)
