@@ -94,7 +94,8 @@ def run_config(variant: dict[str, Any], w: Workload, world: int) -> RunConfig:
     if w.batch % world:
         raise ValueError(f"the global batch of {w.batch} sequences does not split over "
                          f"{world} ranks; pick a world size that divides it")
-    kw = {k: v for k, v in variant.items() if k not in ("name", "optimizer", "lr", "sparsity")}
+    kw = {k: v for k, v in variant.items()
+          if k not in ("name", "optimizer", "lr", "sparsity", "group_sparsity")}
     kind, sparsity, eval_every = variant.get("optimizer"), variant.get("sparsity", 0.0), \
         w.eval_every
     if kind in LOCAL_SGD:
@@ -103,6 +104,7 @@ def run_config(variant: dict[str, Any], w: Workload, world: int) -> RunConfig:
     else:
         kind = "scape" if sparsity > 0 else "adams"
     return RunConfig(optimizer=kind, sparsity=sparsity, optimizer_kwargs=kw,
+                     group_sparsity=variant.get("group_sparsity"),
                      model=w.model, world=world, steps=w.steps, batch=w.batch // world,
                      grad_accum=w.accum, seq=w.seq, lr=variant["lr"],
                      warmup_frac=w.warmup_frac, weight_decay=w.weight_decay, seed=w.seed,
@@ -116,8 +118,9 @@ def build_optimizer(model: torch.nn.Module, variant: dict[str, Any], w: Workload
     import scape
 
     kind = variant.get("optimizer", "scape")
-    kw = {k: v for k, v in variant.items() if k not in ("name", "optimizer", "lr")}
-    groups = param_groups(model, w.weight_decay)
+    kw = {k: v for k, v in variant.items()
+          if k not in ("name", "optimizer", "lr", "group_sparsity")}
+    groups = param_groups(model, w.weight_decay, variant.get("group_sparsity"))
     for g in groups:
         g.pop("name", None)
     if kind == "adamw":
@@ -221,6 +224,12 @@ def dense_bytes_per_step(w: Workload, world: int) -> int:
 DENSE_LRS = (1e-3, 3e-3, 1e-2)
 
 
+GROUP_RULES = ("catchup_sqrt_accum", "catchup_agree_accum", "catchup_snr_accum", "lazy")
+"""Rules measured with per-group sparsity: ``-embed0.9`` puts the embedding matrices (token,
+position; the tied head) in their own group at sparsity 0.9, ``-embed0`` keeps them dense,
+``-vec0`` keeps the vectors (norms, biases) dense and the embeddings at the row's sparsity."""
+
+
 def variants(sparsities: list[float], names: list[str] | None,
              warmup: int = 20) -> list[dict[str, Any]]:
     """The ablation rows (their lr is the dense sweep's choice, filled in by ``main``).
@@ -228,7 +237,8 @@ def variants(sparsities: list[float], names: list[str] | None,
     Per sparsity: every rule of :data:`scape.rules.RULES` at the default schedule, and the
     schedule variants (explore, warm-up, dense refresh, error feedback off) for both the
     plain ``lazy`` rule and ``catchup_accum`` (the library's default when those rows were
-    measured; ``catchup_sqrt_accum`` is now). A row is named
+    measured; ``catchup_sqrt_accum`` is now), and the per-group sparsity rows of
+    :data:`GROUP_RULES`. A row is named
     ``<rule>[-<schedule change>]@<sparsity>``.
     """
     from scape.rules import RULES
@@ -246,6 +256,15 @@ def variants(sparsities: list[float], names: list[str] | None,
                 dict(base, name=f"{rule}-warmup100@{sp}", update=rule, warmup_steps=100),
                 dict(base, name=f"{rule}-dense_every50@{sp}", update=rule, dense_every=50),
                 dict(base, name=f"{rule}-no_ef@{sp}", update=rule, error_feedback=False),
+            ]
+        for rule in GROUP_RULES:  # where the gap lives: the embedding matrices (tied head)
+            rows += [
+                dict(base, name=f"{rule}-embed0.9@{sp}", update=rule,
+                     group_sparsity={"embed": 0.9}),
+                dict(base, name=f"{rule}-embed0@{sp}", update=rule,
+                     group_sparsity={"embed": 0.0}),
+                dict(base, name=f"{rule}-vec0@{sp}", update=rule,
+                     group_sparsity={"embed": sp, "no_decay": 0.0}),
             ]
     if names:
         rows = [r for r in rows if r["name"].split("@")[0] in names]

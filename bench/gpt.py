@@ -183,29 +183,55 @@ def num_params(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+GROUP_NAMES = ("decay", "no_decay", "embed")
+"""The groups :func:`param_groups` can make (``embed`` only when it is given a sparsity)."""
+
+
+def param_groups(model: nn.Module, weight_decay: float,
+                 sparsity: dict[str, float] | None = None) -> list[dict]:
     """Two optimizer groups: ``decay`` (the weight matrices of attention and MLP, decayed by
     ``weight_decay``) and ``no_decay`` (norm scales and shifts, biases, token and position
     embeddings -- including the tied head -- with weight decay 0).
 
     Each group carries a ``"name"`` key. The optimizer accepts per-group options, so a caller
     can add e.g. ``sparsity=0.0`` to the ``no_decay`` group to keep it dense.
+
+    ``sparsity``: per-group sparsity by group name, set as each group's ``"sparsity"`` option
+    (groups not named keep the optimizer's). Naming ``"embed"`` makes a third group, ``embed``
+    (weight decay 0): the embedding matrices (token and position; the tied head), which then
+    leave ``no_decay`` to the vectors. The quality research found the 99%-sparsity gap of this
+    workload concentrated in those matrices (bench/README.md, "Where the gap lives").
     """
     if not isinstance(weight_decay, (int, float)) or weight_decay < 0:
         raise ValueError(f"weight_decay must be a float >= 0, got {weight_decay!r}")
+    sparsity = dict(sparsity or {})
+    for name, sp in sparsity.items():
+        if name not in GROUP_NAMES:
+            raise ValueError(f"sparsity: unknown group {name!r} (expected one of {GROUP_NAMES})")
+        if isinstance(sp, bool) or not isinstance(sp, (int, float)) or not 0.0 <= sp < 1.0:
+            raise ValueError(f"sparsity[{name!r}] must be in [0, 1), got {sp!r}")
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
-    decay, no_decay = [], []
+    split = "embed" in sparsity
+    decay, no_decay, embed = [], [], []
     for p in model.parameters():  # a tied parameter is yielded once
         if not p.requires_grad:
             continue
         if p.ndim >= 2 and id(p) not in embeddings:
             decay.append(p)
+        elif split and id(p) in embeddings:
+            embed.append(p)
         else:
             no_decay.append(p)
-    return [
+    groups = [
         {"name": "decay", "params": decay, "weight_decay": float(weight_decay)},
         {"name": "no_decay", "params": no_decay, "weight_decay": 0.0},
     ]
+    if split:
+        groups.append({"name": "embed", "params": embed, "weight_decay": 0.0})
+    for g in groups:
+        if g["name"] in sparsity:
+            g["sparsity"] = float(sparsity[g["name"]])
+    return groups
 
 
 def time_fwd_bwd(config: GPTConfig, batch: int = 8, seq: int | None = None, steps: int = 10,

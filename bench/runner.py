@@ -85,6 +85,10 @@ class RunConfig:
     """Passed through to ``scape.SCAPE`` (e.g. ``explore``, ``warmup_steps``, ``dense_every``,
     ``error_feedback``, ``update``, ``block_size``) or to the top-k baseline
     (``warmup_steps``, ``block_size``)."""
+    group_sparsity: dict[str, float] | None = None
+    """Per-group sparsity by :func:`bench.gpt.param_groups` group name (``"embed"`` splits the
+    embedding matrices, the tied head, into a group of their own); None: ``sparsity``
+    everywhere. SCAPE rows only."""
     model: str = "small"
     """:mod:`bench.gpt` preset (``tiny``, ``small``, ``base``)."""
     world: int = 4
@@ -133,6 +137,14 @@ class RunConfig:
                              f"got {self.optimizer!r}")
         if not isinstance(self.sparsity, (int, float)) or not 0.0 <= self.sparsity < 1.0:
             raise ValueError(f"RunConfig.sparsity must be in [0, 1), got {self.sparsity!r}")
+        if self.group_sparsity is not None:
+            if self.optimizer not in ("scape", "compute_only"):
+                raise ValueError("RunConfig.group_sparsity applies to the scape and "
+                                 f"compute_only rows, not {self.optimizer!r}")
+            from bench.gpt import GPT, GPTConfig, param_groups
+
+            tiny = GPT(GPTConfig(d_model=8, n_layers=1, n_heads=1, seq_len=4))
+            param_groups(tiny, 0.0, self.group_sparsity)  # the same checks, before launch
         if self.optimizer in ("scape", "topk") and self.sparsity == 0.0:
             raise ValueError(f"RunConfig.sparsity must be > 0 for optimizer "
                              f"{self.optimizer!r} (use 'adams' for dense), got 0.0")
@@ -330,7 +342,7 @@ def _build(cfg: RunConfig, rank: int, world: int) -> tuple[Any, Any, Any, torch.
     from bench.gpt import GPT, get_config, param_groups
 
     module = GPT(get_config(cfg.model), seed=cfg.seed)
-    groups = param_groups(module, cfg.weight_decay)
+    groups = param_groups(module, cfg.weight_decay, cfg.group_sparsity)
     for g in groups:
         g.pop("name", None)
     if cfg.optimizer == "adamw_ddp":

@@ -92,6 +92,31 @@ def test_param_groups_partition():
         gpt.param_groups(model, -1.0)
 
 
+@pytest.mark.parametrize("embed_sparsity", [0.0, 0.9])
+def test_param_groups_embed_group(embed_sparsity):
+    cfg = gpt.GPTConfig(d_model=32, n_layers=2, n_heads=2, seq_len=16, bias=True)
+    model = gpt.GPT(cfg)
+    two = gpt.param_groups(model, weight_decay=0.1)
+    three = gpt.param_groups(model, weight_decay=0.1,
+                             sparsity={"embed": embed_sparsity, "no_decay": 0.0})
+    assert [g["name"] for g in three] == ["decay", "no_decay", "embed"]
+    named = {id(p): n for n, p in model.named_parameters()}
+    embed = {named[id(p)] for p in three[2]["params"]}
+    assert embed == {"tok_emb.weight", "pos_emb.weight"}  # the tied head is tok_emb
+    assert three[2]["sparsity"] == embed_sparsity and three[2]["weight_decay"] == 0.0
+    assert three[1]["sparsity"] == 0.0 and "sparsity" not in three[0]
+    assert [id(p) for p in three[0]["params"]] == [id(p) for p in two[0]["params"]]
+    # the same partition of the parameters, the embeddings moved out of no_decay
+    assert {id(p) for g in three[1:] for p in g["params"]} == {id(p) for p in two[1]["params"]}
+    assert all(p.ndim == 1 for p in three[1]["params"])
+    assert [g["name"] for g in gpt.param_groups(model, 0.1, {"decay": 0.5})] == \
+        ["decay", "no_decay"]  # no split unless "embed" is named
+    for bad in ({"embed": 1.0}, {"embed": -0.1}, {"embed": True}, {"embed": "0.9"},
+                {"head": 0.9}):
+        with pytest.raises(ValueError, match="sparsity"):
+            gpt.param_groups(model, 0.1, bad)
+
+
 def test_config_validation():
     with pytest.raises(ValueError, match="n_heads"):
         gpt.GPTConfig(d_model=30, n_heads=4)
