@@ -94,6 +94,9 @@ def run_config(variant: dict[str, Any], w: Workload, world: int) -> RunConfig:
     if w.batch % world:
         raise ValueError(f"the global batch of {w.batch} sequences does not split over "
                          f"{world} ranks; pick a world size that divides it")
+    if variant.get("transform") and world > 1:
+        raise ValueError(f"{variant['name']}: transform-domain rows run in one process only "
+                         "(bench.rotate is not wired into bench.runner)")
     kw = {k: v for k, v in variant.items()
           if k not in ("name", "optimizer", "lr", "sparsity", "group_sparsity")}
     kind, sparsity, eval_every = variant.get("optimizer"), variant.get("sparsity", 0.0), \
@@ -114,18 +117,28 @@ def run_config(variant: dict[str, Any], w: Workload, world: int) -> RunConfig:
 
 
 def build_optimizer(model: torch.nn.Module, variant: dict[str, Any], w: Workload,
-                    comm: Any = None) -> torch.optim.Optimizer:
+                    comm: Any = None) -> tuple[torch.optim.Optimizer, Any]:
+    """The variant's optimizer, and its :class:`bench.rotate.Rotated` (None unless the variant
+    has a ``transform``: then the ``decay`` group trains in that transform domain)."""
     import scape
 
     kind = variant.get("optimizer", "scape")
     kw = {k: v for k, v in variant.items()
-          if k not in ("name", "optimizer", "lr", "group_sparsity")}
+          if k not in ("name", "optimizer", "lr", "group_sparsity", "transform")}
     groups = param_groups(model, w.weight_decay, variant.get("group_sparsity"))
+    rotated = None
+    if variant.get("transform"):
+        from bench.rotate import Rotated
+
+        tkind, chunk = variant["transform"]
+        rotated = Rotated(groups[0]["params"], tkind, chunk)
+        groups[0]["params"] = rotated.shadows
     for g in groups:
         g.pop("name", None)
     if kind == "adamw":
-        return scape.DistributedAdamW(groups, lr=variant["lr"], betas=(0.9, 0.95), comm=comm)
-    return scape.SCAPE(groups, lr=variant["lr"], comm=comm, **kw)
+        return scape.DistributedAdamW(groups, lr=variant["lr"], betas=(0.9, 0.95),
+                                      comm=comm), rotated
+    return scape.SCAPE(groups, lr=variant["lr"], comm=comm, **kw), rotated
 
 
 def train(variant: dict[str, Any], w: Workload, corpus: Any, rank: int = 0, world: int = 1,
@@ -133,7 +146,7 @@ def train(variant: dict[str, Any], w: Workload, corpus: Any, rank: int = 0, worl
     """Train one variant; return its curves and final validation loss."""
     torch.manual_seed(w.seed)
     model = GPT(get_config(w.model), seed=w.seed)
-    opt = build_optimizer(model, variant, w, comm)
+    opt, rotated = build_optimizer(model, variant, w, comm)
     schedule = run_config(variant, w, 1)  # the runner's LR schedule, shared
     curve, train_curve = [], []
     t0 = time.perf_counter()
@@ -149,8 +162,12 @@ def train(variant: dict[str, Any], w: Workload, corpus: Any, rank: int = 0, worl
             loss = model.loss(x, y) / w.accum
             loss.backward()
             loss_acc += float(loss.detach())
+        if rotated is not None:
+            rotated.push_grads()
         opt.step()
         opt.zero_grad()
+        if rotated is not None:
+            rotated.pull()
         sent += sum(opt.last_step.bytes.values())
         train_curve.append(loss_acc)
         if (step + 1) % w.eval_every == 0 or step + 1 == w.steps:
@@ -227,7 +244,10 @@ DENSE_LRS = (1e-3, 3e-3, 1e-2)
 GROUP_RULES = ("catchup_sqrt_accum", "catchup_agree_accum", "catchup_snr_accum", "lazy")
 """Rules measured with per-group sparsity: ``-embed0.9`` puts the embedding matrices (token,
 position; the tied head) in their own group at sparsity 0.9, ``-embed0`` keeps them dense,
-``-vec0`` keeps the vectors (norms, biases) dense and the embeddings at the row's sparsity."""
+``-vec0`` keeps the vectors (norms, biases) dense and the embeddings at the row's sparsity,
+``-tok0.9`` / ``-pos0.9`` put only the token embedding (the tied head) / only the position
+embedding at 0.9. ``-dct64`` / ``-hadamard128`` train the weight matrices in a transform
+domain (:mod:`bench.rotate`: DeMo-style selection of transform coefficients)."""
 
 
 def variants(sparsities: list[float], names: list[str] | None,
@@ -265,6 +285,13 @@ def variants(sparsities: list[float], names: list[str] | None,
                      group_sparsity={"embed": 0.0}),
                 dict(base, name=f"{rule}-vec0@{sp}", update=rule,
                      group_sparsity={"embed": sp, "no_decay": 0.0}),
+                dict(base, name=f"{rule}-dct64@{sp}", update=rule, transform=("dct", 64)),
+                dict(base, name=f"{rule}-hadamard128@{sp}", update=rule,
+                     transform=("hadamard", 128)),
+                dict(base, name=f"{rule}-tok0.9@{sp}", update=rule,
+                     group_sparsity={"embed": 0.9, "pos": sp}),
+                dict(base, name=f"{rule}-pos0.9@{sp}", update=rule,
+                     group_sparsity={"embed": sp, "pos": 0.9}),
             ]
     if names:
         rows = [r for r in rows if r["name"].split("@")[0] in names]
@@ -493,6 +520,7 @@ def main(argv: list[str] | None = None) -> int:
         results.append(train_local(v, w, world))
     world_check = None
     sparse_rows = [r for r in results if r["variant"].get("sparsity", 0) > 0]
+    sparse_rows = [r for r in sparse_rows if not r["variant"].get("transform")]
     if args.check_world and sparse_rows:
         first = sparse_rows[0]
         print(f"{first['variant']['name']} on {args.check_world} ranks", flush=True)

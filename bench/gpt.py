@@ -183,8 +183,9 @@ def num_params(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
-GROUP_NAMES = ("decay", "no_decay", "embed")
-"""The groups :func:`param_groups` can make (``embed`` only when it is given a sparsity)."""
+GROUP_NAMES = ("decay", "no_decay", "embed", "pos")
+"""The groups :func:`param_groups` can make (``embed`` and ``pos`` only when given a
+sparsity)."""
 
 
 def param_groups(model: nn.Module, weight_decay: float,
@@ -197,10 +198,11 @@ def param_groups(model: nn.Module, weight_decay: float,
     can add e.g. ``sparsity=0.0`` to the ``no_decay`` group to keep it dense.
 
     ``sparsity``: per-group sparsity by group name, set as each group's ``"sparsity"`` option
-    (groups not named keep the optimizer's). Naming ``"embed"`` makes a third group, ``embed``
-    (weight decay 0): the embedding matrices (token and position; the tied head), which then
-    leave ``no_decay`` to the vectors. The quality research found the 99%-sparsity gap of this
-    workload concentrated in those matrices (bench/README.md, "Where the gap lives").
+    (groups not named keep the optimizer's). Naming ``"embed"`` makes a group ``embed`` (weight
+    decay 0) of the embedding matrices (token and position; the tied head), which then leave
+    ``no_decay`` to the vectors; naming ``"pos"`` as well takes the position embedding out of
+    ``embed`` into a group ``pos``. The quality research found the 99%-sparsity gap of this
+    workload concentrated in the embedding matrices (bench/README.md, "Where the gap lives").
     """
     if not isinstance(weight_decay, (int, float)) or weight_decay < 0:
         raise ValueError(f"weight_decay must be a float >= 0, got {weight_decay!r}")
@@ -210,14 +212,19 @@ def param_groups(model: nn.Module, weight_decay: float,
             raise ValueError(f"sparsity: unknown group {name!r} (expected one of {GROUP_NAMES})")
         if isinstance(sp, bool) or not isinstance(sp, (int, float)) or not 0.0 <= sp < 1.0:
             raise ValueError(f"sparsity[{name!r}] must be in [0, 1), got {sp!r}")
+    if "pos" in sparsity and "embed" not in sparsity:
+        raise ValueError("sparsity: 'pos' splits the 'embed' group; name 'embed' as well")
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    pos = {id(model.pos_emb.weight)} if "pos" in sparsity else set()
     split = "embed" in sparsity
-    decay, no_decay, embed = [], [], []
+    decay, no_decay, embed, pos_group = [], [], [], []
     for p in model.parameters():  # a tied parameter is yielded once
         if not p.requires_grad:
             continue
         if p.ndim >= 2 and id(p) not in embeddings:
             decay.append(p)
+        elif id(p) in pos:
+            pos_group.append(p)
         elif split and id(p) in embeddings:
             embed.append(p)
         else:
@@ -228,6 +235,8 @@ def param_groups(model: nn.Module, weight_decay: float,
     ]
     if split:
         groups.append({"name": "embed", "params": embed, "weight_decay": 0.0})
+    if pos:
+        groups.append({"name": "pos", "params": pos_group, "weight_decay": 0.0})
     for g in groups:
         if g["name"] in sparsity:
             g["sparsity"] = float(sparsity[g["name"]])

@@ -66,6 +66,22 @@ def test_convergence_group_sparsity_rows(tmp_path):
     assert check["world"] == 2 and abs(check["relative_difference"]) < 1e-3, check
 
 
+def test_convergence_transform_rows(tmp_path):
+    """A transform-domain row is SCAPE on the rotated matrices: the same bytes as the plain
+    row, a different trajectory; the world check runs on the plain row (the runner does not
+    rotate)."""
+    names = ["catchup_sqrt_accum", "catchup_sqrt_accum-dct64"]
+    rep = _run("bench.convergence", str(tmp_path / "t.json"), "--lr", "0.003", "--no-dense",
+               "--check-world", "2", "--variants", *names)
+    rows = {r["variant"]["name"].split("@")[0]: r for r in rep["results"]}
+    assert set(rows) == set(names)
+    plain, dct = rows["catchup_sqrt_accum"], rows["catchup_sqrt_accum-dct64"]
+    assert plain["bytes_last_step"] == dct["bytes_last_step"]
+    assert math.isfinite(dct["final_val_loss"])
+    assert dct["final_val_loss"] != plain["final_val_loss"]
+    assert rep["world_check"]["variant"].startswith("catchup_sqrt_accum@")
+
+
 def test_convergence_no_dense_leaves_ratios_to_the_table(tmp_path):
     """--no-dense (a dense run going on in parallel): no dense row, no ratio recorded; the
     table refuses the file without --dense-loss and fills the ratios in with it, or with the

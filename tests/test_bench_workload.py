@@ -111,6 +111,13 @@ def test_param_groups_embed_group(embed_sparsity):
     assert all(p.ndim == 1 for p in three[1]["params"])
     assert [g["name"] for g in gpt.param_groups(model, 0.1, {"decay": 0.5})] == \
         ["decay", "no_decay"]  # no split unless "embed" is named
+    four = gpt.param_groups(model, 0.1, {"embed": 0.99, "pos": 0.9})
+    assert [(g["name"], g.get("sparsity")) for g in four] == \
+        [("decay", None), ("no_decay", None), ("embed", 0.99), ("pos", 0.9)]
+    assert [named[id(p)] for g in four[2:] for p in g["params"]] == \
+        ["tok_emb.weight", "pos_emb.weight"]
+    with pytest.raises(ValueError, match="name 'embed' as well"):
+        gpt.param_groups(model, 0.1, {"pos": 0.9})
     for bad in ({"embed": 1.0}, {"embed": -0.1}, {"embed": True}, {"embed": "0.9"},
                 {"head": 0.9}):
         with pytest.raises(ValueError, match="sparsity"):
