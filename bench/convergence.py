@@ -310,12 +310,12 @@ def _load_reports(paths: list[str]) -> list[tuple[str, dict[str, Any]]]:
 
 
 def _dense_losses(reports: list[tuple[str, dict[str, Any]]]) -> dict[tuple, float]:
-    """The best dense AdamS loss per workload (steps, accum, model) among the reports' rows:
+    """The best dense AdamS loss per workload (steps, accum, model, seed) among the reports' rows:
     the sweep's choice when its learning rates ran as separate files."""
     best: dict[tuple, float] = {}
     for _, rep in reports:
         w = rep["workload"]
-        key = (w["steps"], w["accum"], w["model"])
+        key = (w["steps"], w["accum"], w["model"], w.get("seed", 0))
         for r in rep["results"]:
             if r["variant"]["name"].startswith("dense-adams"):
                 best[key] = min(best.get(key, math.inf), r["final_val_loss"])
@@ -329,7 +329,7 @@ def _ratio(path: str, rep: dict[str, Any], r: dict[str, Any], dense_ref: float |
     if r["ratio_to_dense"] is not None:
         return r["ratio_to_dense"]
     w = rep["workload"]
-    ref = dense.get((w["steps"], w["accum"], w["model"]))
+    ref = dense.get((w["steps"], w["accum"], w["model"], w.get("seed", 0)))
     if ref is None:
         raise ValueError(f"{path}: ran with --no-dense; give --dense-loss or a file with the "
                          f"dense run of the same workload for its ratios")
@@ -434,6 +434,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--data", default=None)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default=None, help="JSON output (default bench/results/...)")
+    ap.add_argument("--seed", type=int, default=0,
+                    help="model init and data order (every row of a run shares it; compare "
+                         "only with a dense run of the same seed)")
     ap.add_argument("--smoke", action="store_true", help="tiny model, a few steps")
     ap.add_argument("--check-world", type=int, default=0,
                     help="re-run the first sparse variant on this many gloo ranks (bench.runner)"
@@ -464,7 +467,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     w = Workload(model=args.model, steps=args.steps, accum=args.accum, threads=args.threads,
-                 eval_every=max(1, args.steps // 4))
+                 eval_every=max(1, args.steps // 4), seed=args.seed)
     if args.smoke:
         w = dataclasses.replace(w, model="tiny", steps=6, batch=4, seq=64, eval_every=3,
                                 eval_seqs=4)

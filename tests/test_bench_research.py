@@ -103,6 +103,12 @@ def test_convergence_no_dense_leaves_ratios_to_the_table(tmp_path):
     ratio = loss / dense["final_val_loss"]
     assert f"| {loss:.4f} | {ratio:.3f} |" in table([out, dense_out])
     assert not plot_gap([out, dense_out], str(tmp_path / "gap.png"))  # one length only
+    # a dense run of another seed is another workload: no ratio from it
+    seed1 = str(tmp_path / "s1.json")
+    assert _run("bench.convergence", seed1, "--lr", "0.003", "--no-dense", "--variants",
+                "lazy", "--seed", "1")["workload"]["seed"] == 1
+    with pytest.raises(ValueError, match="--no-dense"):
+        table([seed1, dense_out])
 
 
 def test_gap_plot_needs_two_lengths(tmp_path):
