@@ -14,6 +14,10 @@ token budget and LR schedule (:mod:`bench.runner`):
 ``compute_only``    SCAPE-0.99's per-rank work with no collectives (the step-time floor)
 ==================  ==================================================================
 
+A ``scape`` or ``compute_only`` name may end in ``-embed<sparsity>`` (e.g.
+``scape-0.99-embed0.9``): the embedding matrices, the tied head among them, then form their own
+param group at that sparsity (the quality research's finding; bench/README.md).
+
 Opt-in local-step rows (:mod:`bench.local_sgd_opts`, AdamW inner optimizer at the same lr):
 ``sparseloco-h<H>-d<density>[-b<bits>]`` (``scape.SparseLoCo``, 2-bit values unless ``-b``
 says otherwise) and ``diloco-h<H>`` (``scape.DiLoCo``). They communicate only every ``H``
@@ -99,6 +103,8 @@ def parse_name(name: str) -> tuple[str, float]:
         except ValueError as e:
             raise ValueError(f"--optimizers: {e}") from None
     opt, _, sp = name.partition("-")
+    if opt in ("scape", "compute_only") and embed_sparsity(name) is not None:
+        sp = sp.partition("embed")[0].rstrip("-")
     if opt not in ("adamw_ddp", "dist_adamw", "adams", "scape", "topk", "compute_only"):
         raise ValueError(f"--optimizers: unknown optimizer {name!r} (expected one of "
                          f"{DEFAULT_OPTIMIZERS}, sparsity after '-', or {NAME_FORMS})")
@@ -112,6 +118,24 @@ def parse_name(name: str) -> tuple[str, float]:
         raise ValueError(f"--optimizers: bad sparsity in {name!r}") from None
 
 
+def embed_sparsity(name: str) -> float | None:
+    """``"scape-0.99-embed0.9"`` -> 0.9: the embedding matrices (the tied head) in their own
+    param group at that sparsity (:func:`bench.gpt.param_groups`); None without the suffix."""
+    head, sep, tail = name.partition("-embed")
+    if not sep:
+        return None
+    if not head.startswith(("scape-", "compute_only")):
+        raise ValueError(f"--optimizers: {name!r}: -embed<sparsity> applies to scape and "
+                         "compute_only rows")
+    try:
+        value = float(tail)
+    except ValueError:
+        raise ValueError(f"--optimizers: bad embedding sparsity in {name!r}") from None
+    if not 0.0 <= value < 1.0:
+        raise ValueError(f"--optimizers: the embedding sparsity in {name!r} must be in [0, 1)")
+    return value
+
+
 def make_configs(names: list[str], w: dict[str, Any], data: str | None, profile_dir: str | None,
                  timeout_s: float) -> list[RunConfig]:
     """One RunConfig per optimizer name, sharing the workload ``w`` and the timing window."""
@@ -123,8 +147,10 @@ def make_configs(names: list[str], w: dict[str, Any], data: str | None, profile_
                                                                 "compute_only") else {}
         if is_local_name(name):
             kwargs = parse_local_name(name)[1]
+        emb = embed_sparsity(name)
         cfgs.append(RunConfig(
             optimizer=opt, sparsity=sp if opt != "adams" else 0.0, optimizer_kwargs=kwargs,
+            group_sparsity=None if emb is None else {"embed": emb},
             model=w["model"], world=w["world"], steps=w["steps"], batch=w["batch"],
             seq=w["seq"], lr=w["lr"], eval_every=w["eval_every"], eval_seqs=w["eval_seqs"],
             data=data, timing_skip=skip, log_every=1, timeout_s=timeout_s, name=name,

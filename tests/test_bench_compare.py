@@ -230,9 +230,27 @@ def test_compare_table_and_targets():
                                             ("adamw_ddp", ("adamw_ddp", 0.0)),
                                             ("compute_only", ("compute_only", 0.99)),
                                             ("sparseloco-h8-d0.01", ("sparseloco", 0.0)),
-                                            ("diloco-h32", ("diloco", 0.0))])
+                                            ("diloco-h32", ("diloco", 0.0)),
+                                            ("scape-0.99-embed0.9", ("scape", 0.99)),
+                                            ("compute_only-embed0", ("compute_only", 0.99))])
 def test_parse_name(name, expected):
     assert parse_name(name) == expected
+
+
+def test_embed_suffix_sets_the_embedding_group():
+    from bench.compare import embed_sparsity, make_configs
+
+    assert embed_sparsity("scape-0.99") is None and embed_sparsity("scape-0.99-embed0.9") == 0.9
+    for bad, match in (("scape-0.99-embedx", "bad embedding sparsity"),
+                       ("scape-0.99-embed1.5", r"must be in \[0, 1\)"),
+                       ("topk-0.99-embed0.9", "applies to scape and compute_only")):
+        with pytest.raises(ValueError, match=match):
+            embed_sparsity(bad)
+    w = dict(model="tiny", world=2, steps=6, batch=2, seq=64, lr=3e-3, warmup_steps=2,
+             eval_every=3, eval_seqs=4)
+    plain, split = make_configs(["scape-0.99", "scape-0.99-embed0.9"], w, None, None, 60.0)
+    assert plain.group_sparsity is None and split.group_sparsity == {"embed": 0.9}
+    assert split.sparsity == plain.sparsity == 0.99 and split.name == "scape-0.99-embed0.9"
 
 
 def test_parse_name_rejects():
