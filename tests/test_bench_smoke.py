@@ -23,14 +23,15 @@ def _run(args: list[str], timeout: float) -> str:
     return proc.stdout
 
 
-def _library_bytes(sparsity: float, world: int) -> tuple[int, int]:
+def _library_bytes(sparsity: float, world: int,
+                   group_sparsity: dict[str, float] | None = None) -> tuple[int, int]:
     """(dense step, steady sparse step) bytes of scape.SCAPE on the tiny model's param groups,
     from ``opt.last_step.bytes`` with a counting communicator playing rank 0 of ``world``."""
     from bench.gpt import GPT, get_config, param_groups
     from bench.nullcomm import NullCommunicator
 
     model = GPT(get_config("tiny"), seed=0)
-    groups = param_groups(model, 0.1)
+    groups = param_groups(model, 0.1, group_sparsity)
     for g in groups:
         g.pop("name")
     opt = __import__("scape").SCAPE(groups, lr=1e-3, sparsity=sparsity, warmup_steps=1,
@@ -60,7 +61,7 @@ def test_compare_smoke(tmp_path):
     assert report["schema"] == "scape.compare/1"
     names = [r["name"] for r in report["runs"]]
     assert names == ["adamw_ddp", "dist_adamw", "adams", "scape-0.9", "scape-0.99",
-                     "topk-0.99", "compute_only"]
+                     "scape-0.99-embed0.9", "topk-0.99", "compute_only"]
     world, steps = report["workload"]["world"], report["workload"]["steps"]
     assert world == 2
     by = {r["name"]: r for r in report["runs"]}
@@ -89,6 +90,8 @@ def test_compare_smoke(tmp_path):
     assert by["adams"]["bytes_per_step_total"] == dense
     assert by["scape-0.99"]["bytes_per_step_total"] == sparse99
     assert by["compute_only"]["bytes_per_step_total"] == sparse99
+    _, split = _library_bytes(0.99, world, {"embed": 0.9})
+    assert by["scape-0.99-embed0.9"]["bytes_per_step_total"] == split > sparse99
     assert by["scape-0.99"]["bytes_per_step"]["all_gather"] > 0
     # table rows and ratios
     table = {t["name"]: t for t in report["table"]}
