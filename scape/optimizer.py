@@ -71,6 +71,9 @@ class SCAPE(ShardedOptimizer):
     Args:
         params: parameters or param groups (groups may set ``lr``, ``betas``, ``eps``,
             ``weight_decay`` and ``sparsity``; a group with ``sparsity=0`` is always dense).
+            At 0.99, put the embedding matrices (a tied output head among them) in a group
+            of their own at ``sparsity=0.9``: the 0.99 quality gap of the convergence ablation
+            sits there (README, "Give the embeddings their own group").
         lr: learning rate (any torch LR scheduler may change it per group).
         betas: ``(beta1, beta2)`` of AdamS.
         eps: added to the AdamS denominator.
@@ -84,12 +87,14 @@ class SCAPE(ShardedOptimizer):
         update: the sparse-step rule, a key of :data:`scape.rules.RULES`. The default,
             ``"catchup_sqrt_accum"``, selects by accumulated mass ``|m|*(age+1)`` and moves
             a coordinate ``sqrt(age+1)`` AdamS steps from the mean of the gradients it
-            missed: the best rule of the convergence ablation at 0.99 over its longest run
-            (8,000 steps), stable at high learning rates, no extra state (bench/README.md).
+            missed: it trains wherever dense AdamS does in the ablation's learning-rate
+            sweeps and keeps no extra state (bench/README.md). For quality at 0.99 use
             ``"catchup_agree_accum"`` (steps sized like dense AdamS's expected displacement)
-            is the best at 0.99 up to 2,000 steps; at sparsity 0.9 it and
-            ``"catchup_snr_accum"`` end ahead of dense AdamS over 2,000 steps (0.95x).
-            ``"lazy"`` is DESIGN §1's baseline.
+            with the embedding matrices in their own group at sparsity 0.9: the best of the
+            convergence ablation at 400, 2,000 and 8,000 steps, at the price of 12 bytes of
+            state per shard coordinate, more local compute, and less headroom at high
+            learning rates. At sparsity 0.9 it and ``"catchup_snr_accum"`` end ahead of
+            dense AdamS over 2,000 steps. ``"lazy"`` is DESIGN §1's baseline.
         max_grad_norm: clip the synchronized gradient to this norm (None: no clipping).
         grad_comm_dtype: dtype of gradients on the wire (float32, bfloat16, float16).
         comm: a :class:`scape.comm.Communicator`; default: a ``TorchCommunicator`` on the

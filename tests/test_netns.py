@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -75,6 +76,13 @@ def test_namespace_removed_on_exception_and_leftovers_stopped():
             name = argv[3]
             proc = subprocess.Popen(argv)
             assert name in netns.namespaces()
+            # `ip netns exec` enters the namespace just before it execs the command; only then
+            # is the sleeper a leftover of the namespace (under load that takes a moment)
+            deadline = time.monotonic() + 10.0
+            while str(proc.pid) not in subprocess.run(
+                    ["ip", "netns", "pids", name], capture_output=True, text=True).stdout.split():
+                assert time.monotonic() < deadline, "the command never entered the namespace"
+                time.sleep(0.02)
             raise KeyboardInterrupt
     assert proc.wait(timeout=10) is not None  # the leftover sleeper was terminated
     assert name not in netns.namespaces()
