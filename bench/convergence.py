@@ -242,13 +242,15 @@ DENSE_LRS = (1e-3, 3e-3, 1e-2)
 
 
 GROUP_RULES = ("catchup_sqrt_accum", "catchup_agree_accum", "catchup_snr_accum", "lazy")
-"""Rules measured with per-group sparsity: ``-embed0.9`` puts the embedding matrices (token,
-position; the tied head) in their own group at sparsity 0.9 (``-embed0.95``, ``-embed0.97``
-likewise), ``-embed0`` keeps them dense,
-``-vec0`` keeps the vectors (norms, biases) dense and the embeddings at the row's sparsity,
-``-tok0.9`` / ``-pos0.9`` put only the token embedding (the tied head) / only the position
-embedding at 0.9. ``-dct64`` / ``-hadamard128`` train the weight matrices in a transform
-domain (:mod:`bench.rotate`: DeMo-style selection of transform coefficients)."""
+"""Rules measured with per-group sparsity and in a transform domain:
+
+- ``-embed0.9`` puts the embedding matrices (token, position; the tied head) in their own group
+  at sparsity 0.9 (``-embed0.95``, ``-embed0.97`` likewise); ``-embed0`` keeps them dense;
+- ``-vec0`` keeps the vectors (norms, biases) dense, the embeddings at the row's sparsity;
+- ``-tok0.9`` / ``-pos0.9``: only the token embedding (the tied head) / only the position
+  embedding at 0.9;
+- ``-dct64`` / ``-hadamard128`` train the weight matrices in a transform domain
+  (:mod:`bench.rotate`: DeMo-style selection of transform coefficients)."""
 
 
 def variants(sparsities: list[float], names: list[str] | None,

@@ -215,7 +215,11 @@ def param_groups(model: nn.Module, weight_decay: float,
     if "pos" in sparsity and "embed" not in sparsity:
         raise ValueError("sparsity: 'pos' splits the 'embed' group; name 'embed' as well")
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
-    pos = {id(model.pos_emb.weight)} if "pos" in sparsity else set()
+    pos_emb = getattr(model, "pos_emb", None)
+    if "pos" in sparsity and not isinstance(pos_emb, nn.Embedding):
+        raise ValueError("sparsity: 'pos' needs a model with a learned position embedding "
+                         "(a pos_emb nn.Embedding)")
+    pos = {id(pos_emb.weight)} if "pos" in sparsity else set()
     split = "embed" in sparsity
     decay, no_decay, embed, pos_group = [], [], [], []
     for p in model.parameters():  # a tied parameter is yielded once

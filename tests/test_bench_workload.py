@@ -118,6 +118,11 @@ def test_param_groups_embed_group(embed_sparsity):
         ["tok_emb.weight", "pos_emb.weight"]
     with pytest.raises(ValueError, match="name 'embed' as well"):
         gpt.param_groups(model, 0.1, {"pos": 0.9})
+    no_pos = torch.nn.Sequential(torch.nn.Embedding(16, 8), torch.nn.Linear(8, 8))
+    with pytest.raises(ValueError, match="learned position embedding"):
+        gpt.param_groups(no_pos, 0.1, {"embed": 0.9, "pos": 0.9})
+    assert [g["name"] for g in gpt.param_groups(no_pos, 0.1, {"embed": 0.9})] == \
+        ["decay", "no_decay", "embed"]
     for bad in ({"embed": 1.0}, {"embed": -0.1}, {"embed": True}, {"embed": "0.9"},
                 {"head": 0.9}):
         with pytest.raises(ValueError, match="sparsity"):
