@@ -188,6 +188,20 @@ GROUP_NAMES = ("decay", "no_decay", "embed", "pos")
 sparsity)."""
 
 
+def check_group_sparsity(sparsity: dict[str, float] | None) -> dict[str, float]:
+    """A copy of the per-group sparsity of :func:`param_groups`, checked: group names from
+    :data:`GROUP_NAMES`, values in [0, 1), ``"pos"`` only beside ``"embed"``."""
+    sparsity = dict(sparsity or {})
+    for name, sp in sparsity.items():
+        if name not in GROUP_NAMES:
+            raise ValueError(f"sparsity: unknown group {name!r} (expected one of {GROUP_NAMES})")
+        if isinstance(sp, bool) or not isinstance(sp, (int, float)) or not 0.0 <= sp < 1.0:
+            raise ValueError(f"sparsity[{name!r}] must be in [0, 1), got {sp!r}")
+    if "pos" in sparsity and "embed" not in sparsity:
+        raise ValueError("sparsity: 'pos' splits the 'embed' group; name 'embed' as well")
+    return sparsity
+
+
 def param_groups(model: nn.Module, weight_decay: float,
                  sparsity: dict[str, float] | None = None) -> list[dict]:
     """Two optimizer groups: ``decay`` (the weight matrices of attention and MLP, decayed by
@@ -206,14 +220,7 @@ def param_groups(model: nn.Module, weight_decay: float,
     """
     if not isinstance(weight_decay, (int, float)) or weight_decay < 0:
         raise ValueError(f"weight_decay must be a float >= 0, got {weight_decay!r}")
-    sparsity = dict(sparsity or {})
-    for name, sp in sparsity.items():
-        if name not in GROUP_NAMES:
-            raise ValueError(f"sparsity: unknown group {name!r} (expected one of {GROUP_NAMES})")
-        if isinstance(sp, bool) or not isinstance(sp, (int, float)) or not 0.0 <= sp < 1.0:
-            raise ValueError(f"sparsity[{name!r}] must be in [0, 1), got {sp!r}")
-    if "pos" in sparsity and "embed" not in sparsity:
-        raise ValueError("sparsity: 'pos' splits the 'embed' group; name 'embed' as well")
+    sparsity = check_group_sparsity(sparsity)
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     pos_emb = getattr(model, "pos_emb", None)
     if "pos" in sparsity and not isinstance(pos_emb, nn.Embedding):
