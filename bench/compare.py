@@ -56,6 +56,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from bench.gpt import check_group_sparsity
 from bench.local_sgd_opts import (
     NAME_FORMS,
     is_local_name,
@@ -130,10 +131,9 @@ def embed_sparsity(name: str) -> float | None:
                          "compute_only rows")
     try:
         value = float(tail)
-    except ValueError:
-        raise ValueError(f"--optimizers: bad embedding sparsity in {name!r}") from None
-    if not 0.0 <= value < 1.0:
-        raise ValueError(f"--optimizers: the embedding sparsity in {name!r} must be in [0, 1)")
+        check_group_sparsity({"embed": value})
+    except ValueError as e:
+        raise ValueError(f"--optimizers: bad embedding sparsity in {name!r}: {e}") from None
     return value
 
 

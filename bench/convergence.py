@@ -525,8 +525,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{v['name']} on {world} gloo ranks (AdamW inner, lr {inner_lr:g})", flush=True)
         results.append(train_local(v, w, world))
     world_check = None
-    sparse_rows = [r for r in results if r["variant"].get("sparsity", 0) > 0]
-    sparse_rows = [r for r in sparse_rows if not r["variant"].get("transform")]
+    sparse_rows = [r for r in results  # the runner does not rotate: no transform rows
+                   if r["variant"].get("sparsity", 0) > 0 and not r["variant"].get("transform")]
     if args.check_world and sparse_rows:
         first = sparse_rows[0]
         print(f"{first['variant']['name']} on {args.check_world} ranks", flush=True)
