@@ -11,6 +11,11 @@ same model and W.
     python -m bench.step_compute                      # model "base", W=4, 30 timed steps
     python -m bench.step_compute --smoke
     python -m bench.step_compute --update catchup_agree_accum      # another sparse rule
+    python -m bench.step_compute --device cuda --model medium --world 8   # on a GPU
+
+On ``--device cuda`` the step runs the compiled Triton kernels; each timed step is bracketed
+by ``torch.cuda.synchronize()``, so it holds the kernels' device time as well as the Python
+and launch time of the step.
 """
 
 from __future__ import annotations
@@ -36,12 +41,12 @@ OPTIMIZERS = {
 }
 
 
-def build(model_name: str, world: int, kind: str,
-          update: str | None = None) -> tuple[torch.optim.Optimizer, int]:
-    """One optimizer on a fresh model; ``update`` picks the sparse rule (default: the
-    library's)."""
-    model = GPT(get_config(model_name), seed=0)
-    comm = NullCommunicator(world, 0)
+def build(model_name: str, world: int, kind: str, update: str | None = None,
+          device: str = "cpu") -> tuple[torch.optim.Optimizer, int]:
+    """One optimizer on a fresh model on ``device``; ``update`` picks the sparse rule
+    (default: the library's)."""
+    model = GPT(get_config(model_name), seed=0).to(device)
+    comm = NullCommunicator(world, 0, device)
     if kind == "dist_adamw":
         return scape.DistributedAdamW(model.parameters(), lr=1e-3, comm=comm), num_params(model)
     kw = dict(OPTIMIZERS[kind], **({"update": update} if update else {}))
@@ -49,20 +54,24 @@ def build(model_name: str, world: int, kind: str,
 
 
 def time_steps(model_name: str, world: int, kinds: list[str], steps: int,
-               warm: int, update: str | None = None) -> list[dict]:
+               warm: int, update: str | None = None, device: str = "cpu") -> list[dict]:
     """Median step time of each optimizer, their steps interleaved round-robin so that a
     change in machine load hits all of them alike (the ratios are what we report)."""
-    built = {k: build(model_name, world, k, update) for k in kinds}
+    built = {k: build(model_name, world, k, update, device) for k in kinds}
     gen = torch.Generator().manual_seed(0)
-    grads = {k: [torch.randn(b.n_pad, generator=gen) * 1e-2 for b in opt.buckets]  # type: ignore[attr-defined]
+    grads = {k: [(torch.randn(b.n_pad, generator=gen) * 1e-2).to(device)
+                 for b in opt.buckets]  # type: ignore[attr-defined]
              for k, (opt, _) in built.items()}
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
     times: dict[str, list[float]] = {k: [] for k in kinds}
     for i in range(warm + steps):
         for k, (opt, _) in built.items():
             for b, g in zip(opt.buckets, grads[k]):  # type: ignore[attr-defined]
                 b.grad_flat.copy_(g)
+            sync()
             t0 = time.perf_counter()
             opt.step()
+            sync()
             dt = time.perf_counter() - t0
             if i >= warm:
                 times[k].append(dt)
@@ -83,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default="bench/results/step_compute.json")
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda for the Triton kernels")
     ap.add_argument("--update", default=None, help="sparse rule of the SCAPE rows "
                     "(default: the library's default)")
     args = ap.parse_args(argv)
@@ -90,8 +100,10 @@ def main(argv: list[str] | None = None) -> int:
         args.model, args.world, args.steps = "tiny", 2, 3
     torch.set_num_threads(args.threads)
     update = args.update or inspect.signature(scape.SCAPE).parameters["update"].default
+    if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: torch.cuda.is_available() is False")
     rows = time_steps(args.model, args.world, [*OPTIMIZERS, "dist_adamw"], args.steps, warm=3,
-                      update=update)
+                      update=update, device=args.device)
     for r in rows:
         print(f"{r['optimizer']:12s} median {r['median_s'] * 1e3:8.2f} ms  "
               f"min {r['min_s'] * 1e3:8.2f} ms  bytes/step {r['bytes']:>10d}  "
@@ -101,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         r["ratio_to_dense_adams"] = r["median_s"] / dense
     ratio = rows[2]["ratio_to_dense_adams"]
     print(f"SCAPE-0.99 / dense sharded AdamS local compute: {ratio:.2f}x (target <= 1.5x)")
-    report = {"schema": SCHEMA, "model": args.model, "world": args.world,
+    report = {"schema": SCHEMA, "model": args.model, "world": args.world, "device": args.device,
               "threads": args.threads, "steps": args.steps, "update": update, "rows": rows}
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:

@@ -112,3 +112,26 @@ def assert_cast_equal(actual: torch.Tensor, source: torch.Tensor, what: str) -> 
     assert not bad.any(), (f"{what}: {int(bad.sum())} of {actual.numel()} elements differ "
                            f"from the cast, e.g. {actual[bad][:4].tolist()} vs "
                            f"{expected[bad][:4].tolist()}")
+
+
+def make_scores(kind: str, n: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Selection scores of one ``kind``: ``randn``, ``small_ints`` (many exact ties), ``zeros``
+    (all ties, half of them -0.0) or ``nan_inf`` (NaN of both signs and infinities mixed in)."""
+    gen = torch.Generator().manual_seed(seed)
+    if kind == "randn":
+        x = torch.randn(n, generator=gen)
+    elif kind == "small_ints":  # many exact ties
+        x = torch.randint(-3, 4, (n,), generator=gen).float()
+    elif kind == "zeros":  # all ties, half of them -0.0
+        x = torch.zeros(n)
+        x[torch.rand(n, generator=gen) < 0.5] = -0.0
+    elif kind == "nan_inf":
+        x = torch.randn(n, generator=gen)
+        u = torch.rand(n, generator=gen)
+        x[u < 0.15] = float("nan")
+        x[(u >= 0.15) & (u < 0.2)] = float("inf")
+        x[(u >= 0.2) & (u < 0.25)] = -float("inf")
+        x[(u >= 0.25) & (u < 0.3)] = -float("nan")
+    else:
+        raise ValueError(kind)
+    return x.to(dtype)

@@ -9,7 +9,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from kernel_cases import brute_topk
+from kernel_cases import brute_topk, make_scores
 
 from scape import kernels
 from scape.kernels import reference as ref
@@ -29,27 +29,6 @@ def triton_path(monkeypatch):
 
     monkeypatch.setattr(topk_mod, "blockwise_topk_triton", counted)
     return calls
-
-
-def make_scores(kind: str, n: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(seed)
-    if kind == "randn":
-        x = torch.randn(n, generator=gen)
-    elif kind == "small_ints":  # many exact ties
-        x = torch.randint(-3, 4, (n,), generator=gen).float()
-    elif kind == "zeros":  # all ties, half of them -0.0
-        x = torch.zeros(n)
-        x[torch.rand(n, generator=gen) < 0.5] = -0.0
-    elif kind == "nan_inf":
-        x = torch.randn(n, generator=gen)
-        u = torch.rand(n, generator=gen)
-        x[u < 0.15] = float("nan")
-        x[(u >= 0.15) & (u < 0.2)] = float("inf")
-        x[(u >= 0.2) & (u < 0.25)] = -float("inf")
-        x[(u >= 0.25) & (u < 0.3)] = -float("nan")
-    else:
-        raise ValueError(kind)
-    return x.to(dtype)
 
 
 def _case(block_size, n_blocks, k, k_explore, dtype, kind, id_):

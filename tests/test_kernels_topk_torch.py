@@ -10,8 +10,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from kernel_cases import brute_topk
-from test_kernels_topk import make_scores
+from kernel_cases import brute_topk, make_scores
 
 from scape import kernels
 from scape.kernels import reference as ref
