@@ -54,9 +54,14 @@ def build(model_name: str, world: int, kind: str, update: str | None = None,
 
 
 def time_steps(model_name: str, world: int, kinds: list[str], steps: int,
-               warm: int, update: str | None = None, device: str = "cpu") -> list[dict]:
+               warm: int, update: str | None = None, device: str = "cpu",
+               profile: str | None = None) -> list[dict]:
     """Median step time of each optimizer, their steps interleaved round-robin so that a
-    change in machine load hits all of them alike (the ratios are what we report)."""
+    change in machine load hits all of them alike (the ratios are what we report).
+
+    ``profile``: a path; after the timed steps, three more steps of each optimizer run under
+    ``torch.profiler`` and the per-op table (sorted by device time on a GPU, CPU time
+    otherwise) is written there, one section per optimizer."""
     built = {k: build(model_name, world, k, update, device) for k in kinds}
     gen = torch.Generator().manual_seed(0)
     grads = {k: [(torch.randn(b.n_pad, generator=gen) * 1e-2).to(device)
@@ -75,6 +80,8 @@ def time_steps(model_name: str, world: int, kinds: list[str], steps: int,
             dt = time.perf_counter() - t0
             if i >= warm:
                 times[k].append(dt)
+    if profile:
+        _profile(built, grads, device, profile)
     rows = []
     for k, (opt, n) in built.items():
         info = opt.last_step  # type: ignore[attr-defined]
@@ -82,6 +89,26 @@ def time_steps(model_name: str, world: int, kinds: list[str], steps: int,
                      "min_s": min(times[k]), "dense_step": info.dense,
                      "bytes": sum(info.bytes.values()), "params": n})
     return rows
+
+
+def _profile(built: dict, grads: dict, device: str, path: str) -> None:
+    cuda = torch.device(device).type == "cuda"
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    if cuda:
+        acts.append(torch.profiler.ProfilerActivity.CUDA)
+    sort = "cuda_time_total" if cuda else "cpu_time_total"
+    with open(path, "w") as f:
+        for k, (opt, _) in built.items():
+            with torch.profiler.profile(activities=acts) as prof:
+                for _ in range(3):
+                    for b, g in zip(opt.buckets, grads[k]):
+                        b.grad_flat.copy_(g)
+                    opt.step()
+                if cuda:
+                    torch.cuda.synchronize()
+            f.write(f"== {k}: 3 steps\n")
+            f.write(prof.key_averages().table(sort_by=sort, row_limit=25) + "\n\n")
+    print(f"wrote {path}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -93,6 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="bench/results/step_compute.json")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--device", default="cpu", help="cpu, or cuda for the Triton kernels")
+    ap.add_argument("--profile", default=None, metavar="PATH",
+                    help="also profile three steps of each optimizer; per-op table to PATH")
     ap.add_argument("--update", default=None, help="sparse rule of the SCAPE rows "
                     "(default: the library's default)")
     args = ap.parse_args(argv)
@@ -103,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: torch.cuda.is_available() is False")
     rows = time_steps(args.model, args.world, [*OPTIMIZERS, "dist_adamw"], args.steps, warm=3,
-                      update=update, device=args.device)
+                      update=update, device=args.device, profile=args.profile)
     for r in rows:
         print(f"{r['optimizer']:12s} median {r['median_s'] * 1e3:8.2f} ms  "
               f"min {r['min_s'] * 1e3:8.2f} ms  bytes/step {r['bytes']:>10d}  "

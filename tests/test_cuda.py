@@ -39,6 +39,7 @@ from scape import kernels
 from scape.kernels import pack as pack_mod
 from scape.kernels import reference as ref
 from scape.kernels import topk_torch
+from scape.profiling import PHASES
 
 pytestmark = [
     pytest.mark.gpu,
@@ -101,7 +102,7 @@ def test_topk_matches_cpu_bitwise(block_size, n_blocks, k, k_explore, dtype, kin
     s_dev, a_dev = score.to(DEV), age.to(DEV)
     got = kernels.blockwise_topk(s_dev, k, block_size, age=a_dev if k_explore else None,
                                  k_explore=k_explore)
-    assert got.device.type == torch.device(DEV).type and got.dtype == torch.int16 and got.shape == (n_blocks, k)
+    assert got.is_cuda and got.dtype == torch.int16 and got.shape == (n_blocks, k)
     got = _cpu(got)
     assert torch.equal(got, want), f"{int((got != want).any(1).sum())} blocks differ"
     assert (got[:, 1:] > got[:, :-1]).all(), "offsets not strictly ascending"
@@ -314,7 +315,7 @@ def test_nccl_single_rank_equals_torch_communicator():
     assert l_nccl == l_torch
 
 
-def test_step_launches_triton_kernels_and_balances_nvtx():
+def test_step_launches_triton_kernels_and_balances_nvtx(monkeypatch):
     model = _mlp(DEV)
     opt = scape.SCAPE(model.parameters(), lr=1e-2, sparsity=0.99, block_size=256,
                       warmup_steps=1)
@@ -328,6 +329,12 @@ def test_step_launches_triton_kernels_and_balances_nvtx():
     step()  # the dense warm-up step
     step()
     torch.cuda.synchronize()
+    # NVTX calls return nothing useful without a tool attached: count them instead
+    ranges: list[str] = []
+    pops = []
+    push, pop = torch.cuda.nvtx.range_push, torch.cuda.nvtx.range_pop
+    monkeypatch.setattr(torch.cuda.nvtx, "range_push", lambda nm: (ranges.append(nm), push(nm))[1])
+    monkeypatch.setattr(torch.cuda.nvtx, "range_pop", lambda: (pops.append(1), pop())[1])
     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=acts) as prof:
         step()
@@ -335,5 +342,6 @@ def test_step_launches_triton_kernels_and_balances_nvtx():
     names = {e.name for e in prof.events()}
     for kernel in ("_blockwise_topk_kernel", "_adams_sparse_kernel", "_take_kernel"):
         assert any(kernel in nm for nm in names), f"{kernel} not launched; saw {sorted(names)}"
-    assert torch.cuda.nvtx.range_push("probe") == 0, "a scape/* NVTX range was left open"
-    torch.cuda.nvtx.range_pop()
+    assert len(ranges) == len(pops) > 0, (ranges, len(pops))
+    assert set(ranges) <= set(PHASES), set(ranges) - set(PHASES)
+    assert {"scape/take", "scape/reduce_scatter", "scape/update", "scape/all_gather"} <= set(ranges)
