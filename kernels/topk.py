@@ -18,8 +18,7 @@ Bytes: the block is read once from memory (``block_size * (s + 4)`` bytes with a
 score element size, ``block_size * s`` without); writes ``2 * k`` bytes per block.
 
 Two forms of the same search. A block of at most ``RESIDENT_MAX`` entries (the default 4096
-among them) is loaded once into registers, 16 entries per thread at 8 warps, and every pass
-runs there; the explore search counts among the entries the score part left, a mask computed
+among them) is loaded once into registers and every pass runs there; the explore search counts among the entries the score part left, a mask computed
 once. A larger block is walked in ``CHUNK``-entry chunks so register use does not grow with
 ``block_size``: each pass re-reads the block (from L1/L2), and the explore search recomputes
 the score part's tie ranks per chunk. On an H100 the resident form selects from 2^26 fp32
@@ -195,16 +194,18 @@ def _topk_chunked(p_score, p_age, p_idx, k, k_explore, BLOCK_SIZE: tl.constexpr,
         written += tl.sum(sel_i, axis=0)
 
 
-RESIDENT_MAX = 4096
-"""Largest block held in registers whole (16 entries per thread at 8 warps)."""
+RESIDENT_MAX = 8192
+"""Largest block held in registers whole."""
 
 
 def topk_config(block_size: int) -> dict[str, int]:
     """Launch settings: a block of at most :data:`RESIDENT_MAX` entries is one chunk held in
-    registers (8 warps from 2048 entries up, else 4); a larger one is walked in chunks of
-    2048 with 8 warps (8 entries per thread)."""
-    chunk = block_size if block_size <= RESIDENT_MAX else 2048
-    return {"CHUNK": chunk, "num_warps": 8 if chunk >= 2048 else 4}
+    registers, with 8 warps at 2048 and 4096 entries and 4 otherwise; a larger one is walked
+    in chunks of 2048 with 8 warps (8 entries per thread). Chosen on an H100 by
+    ``python -m bench.topk_variants`` (bench/README.md)."""
+    if block_size <= RESIDENT_MAX:
+        return {"CHUNK": block_size, "num_warps": 8 if block_size in (2048, 4096) else 4}
+    return {"CHUNK": 2048, "num_warps": 8}
 
 
 def blockwise_topk_triton(score: torch.Tensor, k: int, block_size: int, *,

@@ -29,7 +29,7 @@ def _specs(dt: str) -> list[tuple[str, object, dict, dict, int]]:
     from scape.kernels import moments, sparse, stats, topk
 
     specs = []
-    for block in (4096, 32768):
+    for block in (4096, 8192, 32768):
         cfg = topk.topk_config(block)
         specs.append((f"topk B={block}", topk._blockwise_topk_kernel,
                       {"p_score": f"*{dt}", "p_age": "*i32", "p_idx": "*i16", "k": "i32",

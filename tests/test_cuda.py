@@ -82,6 +82,7 @@ TOPK_CASES = [
     pytest.param(4096, 256, 41, 4, F32, "randn", id="b4096-nb256-k41-kx4-f32"),
     pytest.param(4096, 64, 410, 41, BF16, "randn", id="b4096-nb64-k410-kx41-bf16"),
     pytest.param(4096, 32, 41, 0, F16, "randn", id="b4096-nb32-k41-f16"),
+    pytest.param(8192, 32, 82, 8, F32, "randn", id="b8192-nb32-k82-kx8-f32"),
     pytest.param(32768, 8, 328, 32, F32, "randn", id="b32768-nb8-k328-kx32-f32"),
     pytest.param(256, 512, 3, 1, F32, "randn", id="b256-nb512-k3-kx1-f32"),
     pytest.param(4096, 16, 41, 4, F32, "small_ints", id="b4096-ties-f32"),

@@ -53,9 +53,10 @@ CASES = [
     _case(4096, 2, 410, 41, F32, "randn", "b4096-nb2-k410-kx41-f32"),
     _case(4096, 1, 1, 0, BF16, "small_ints", "b4096-nb1-k1-ties-bf16"),
     _case(4096, 1, 41, 41, F16, "randn", "b4096-nb1-k41-kx41-f16"),
+    _case(8192, 1, 820, 82, F32, "small_ints", "b8192-ties-kx82-f32"),
     # above topk.RESIDENT_MAX: the chunked form of the kernel
-    _case(8192, 1, 820, 82, F32, "small_ints", "b8192-chunked-ties-kx82-f32"),
-    _case(8192, 2, 82, 8, BF16, "nan_inf", "b8192-chunked-nan-inf-kx8-bf16"),
+    _case(16384, 1, 164, 16, F32, "small_ints", "b16384-chunked-ties-kx16-f32"),
+    _case(16384, 1, 82, 8, BF16, "nan_inf", "b16384-chunked-nan-inf-kx8-bf16"),
 ]
 
 
