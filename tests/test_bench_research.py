@@ -212,6 +212,21 @@ def test_step_compute_update_option(tmp_path):
     assert rep["update"] == "lazy" and not rep["rows"][2]["dense_step"]
 
 
+def test_step_compute_profile_and_device(tmp_path):
+    prof = tmp_path / "p.txt"
+    rep = _run("bench.step_compute", str(tmp_path / "s.json"), "--profile", str(prof))
+    assert rep["device"] == "cpu"
+    sections = prof.read_text().split("== ")[1:]
+    assert [s.split(":")[0] for s in sections] == [r["optimizer"] for r in rep["rows"]]
+    assert "scape/take" in sections[2] and "scape/take" not in sections[0]  # 0.99 vs dense
+    if not torch.cuda.is_available():
+        r = subprocess.run([sys.executable, "-m", "bench.step_compute", "--smoke", "--device",
+                            "cuda", "--out", str(tmp_path / "x.json")], capture_output=True,
+                           text=True, timeout=120, cwd=ROOT)
+        assert r.returncode == 2 and "torch.cuda.is_available() is False" in r.stderr
+        assert not (tmp_path / "x.json").exists()
+
+
 @pytest.mark.parametrize("world,rank", [(1, 0), (4, 2)])
 def test_null_communicator(world, rank):
     c = NullCommunicator(world, rank)
