@@ -154,7 +154,7 @@ def observe_local_noise(shard: ShardState, buf: torch.Tensor, error_feedback: bo
 
 def catchup_snr(shard: ShardState, g: torch.Tensor, idx: torch.Tensor, block_size: int,
                 hp: dict, model_out: torch.Tensor, floor: float = 0.0,
-                agree: bool = False) -> None:
+                agree: bool = False, cap: float = 1.0, trust: float | None = None) -> None:
     """Catch-up whose number of steps follows the signal-to-noise ratio of what arrived.
 
     ``g`` is the sum of ``a + 1`` global-mean gradients. With ``sigma^2`` the per-step noise
@@ -168,6 +168,9 @@ def catchup_snr(shard: ShardState, g: torch.Tensor, idx: torch.Tensor, block_siz
 
     ``agree=True`` (:func:`catchup_agree`) sizes the step by what dense AdamS would have
     moved instead: ``n = max((a+1)^floor, (a+1) * erf(|mu| / (sigma_m sqrt 2)))``.
+    ``cap < 1`` bounds ``n`` by ``(a+1)^cap`` (:func:`catchup_agree_cap`). ``trust=c`` bounds
+    the displacement instead: ``n <= max(sqrt(a+1), c * rms_b / lr)`` with ``rms_b`` the RMS
+    of the coordinate's block of ``master`` (:func:`catchup_agree_trust`).
     """
     flat = mask_positions(idx, block_size)
     p_sel, m_sel = shard.master.index_select(0, flat), shard.m.index_select(0, flat)
@@ -186,6 +189,12 @@ def catchup_snr(shard: ShardState, g: torch.Tensor, idx: torch.Tensor, block_siz
         r = mu2.mul_(a1).div_(sigma2)
         frac = (r / (1.0 + r)).sqrt_()
     steps = torch.maximum(a1 * frac, a1.pow(floor))
+    if cap < 1.0:
+        steps = torch.minimum(steps, a1.pow(cap))
+    if trust is not None and hp["lr"] > 0.0:
+        rms = shard.master.view(-1, block_size).square().mean(dim=1).sqrt_()
+        reach = rms.mul_(trust / hp["lr"]).repeat_interleave(idx.shape[1])
+        steps = torch.minimum(steps, torch.maximum(a1.sqrt(), reach))
     keep = torch.pow(hp["beta1"], a1)  # beta1^(a+1); 0 when beta1 = 0
     m_sel.mul_(keep).addcmul_(1.0 - keep, gbar)
     if hp["weight_decay"] != 0.0:
@@ -211,6 +220,39 @@ def catchup_agree(shard: ShardState, g: torch.Tensor, idx: torch.Tensor, block_s
     waited. Floor one step; ``mu^2``, ``sigma^2`` and the rest as :func:`catchup_snr`.
     """
     catchup_snr(shard, g, idx, block_size, hp, model_out, agree=True)
+
+
+def catchup_agree_sqrt(shard: ShardState, g: torch.Tensor, idx: torch.Tensor, block_size: int,
+                       hp: dict, model_out: torch.Tensor) -> None:
+    """:func:`catchup_agree` never below the square-root rule (floor ``sqrt(a+1)`` steps):
+    it moves like ``catchup_sqrt`` where the noise estimate says little, and up to the full
+    ``a + 1`` steps where the arrived mean is clearly signal."""
+    catchup_snr(shard, g, idx, block_size, hp, model_out, floor=0.5, agree=True)
+
+
+def catchup_agree_cap(shard: ShardState, g: torch.Tensor, idx: torch.Tensor, block_size: int,
+                      hp: dict, model_out: torch.Tensor) -> None:
+    """:func:`catchup_agree` never above the square-root rule: ``n = min(sqrt(a+1),
+    max(1, (a+1) * erf(...)))``. It keeps the agreement rule's small steps where the noise
+    dominates and drops its full catch-up where the signal does, which overshoots when the
+    gradient changes during a long wait (large learning rates)."""
+    catchup_snr(shard, g, idx, block_size, hp, model_out, agree=True, cap=0.5)
+
+
+def catchup_agree_trust(shard: ShardState, g: torch.Tensor, idx: torch.Tensor, block_size: int,
+                        hp: dict, model_out: torch.Tensor) -> None:
+    """:func:`catchup_agree` whose catch-up moves a coordinate at most about the RMS of its
+    block's parameters (``lr * n <= rms_b``), never less than the square-root rule allows:
+    ``n = min(n_agree, max(sqrt(a+1), rms_b / lr))``. A stale mean is trusted for a
+    displacement on the scale of the weights, not beyond (where the gradient has likely
+    changed); at a small learning rate the bound is loose and the rule is the agreement rule."""
+    catchup_snr(shard, g, idx, block_size, hp, model_out, agree=True, trust=1.0)
+
+
+def catchup_agree_trust4(shard: ShardState, g: torch.Tensor, idx: torch.Tensor,
+                         block_size: int, hp: dict, model_out: torch.Tensor) -> None:
+    """:func:`catchup_agree_trust` with a quarter of the reach: ``lr * n <= rms_b / 4``."""
+    catchup_snr(shard, g, idx, block_size, hp, model_out, agree=True, trust=0.25)
 
 
 def catchup_snr_sqrt(shard: ShardState, g: torch.Tensor, idx: torch.Tensor, block_size: int,
@@ -239,5 +281,13 @@ RULES: dict[str, Rule] = {
                                 extra=NOISE_STATE),
     "catchup_snr_sqrt_accum": Rule(catchup_snr_sqrt, accumulated_score,
                                    observe=observe_local_noise, extra=NOISE_STATE),
+    "catchup_agree_sqrt_accum": Rule(catchup_agree_sqrt, accumulated_score,
+                                     observe=observe_local_noise, extra=NOISE_STATE),
+    "catchup_agree_cap_accum": Rule(catchup_agree_cap, accumulated_score,
+                                    observe=observe_local_noise, extra=NOISE_STATE),
+    "catchup_agree_trust_accum": Rule(catchup_agree_trust, accumulated_score,
+                                      observe=observe_local_noise, extra=NOISE_STATE),
+    "catchup_agree_trust4_accum": Rule(catchup_agree_trust4, accumulated_score,
+                                       observe=observe_local_noise, extra=NOISE_STATE),
 }
 """Sparse-step rules by the name passed as ``update=``."""

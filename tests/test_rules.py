@@ -16,6 +16,10 @@ from scape.rules import (
     ShardState,
     accumulated_score,
     catchup_agree,
+    catchup_agree_cap,
+    catchup_agree_sqrt,
+    catchup_agree_trust,
+    catchup_agree_trust4,
     catchup_mean,
     catchup_snr,
     catchup_snr_sqrt,
@@ -128,8 +132,9 @@ def test_accumulated_score_orders_by_mass():
     assert sc[1].abs() > sc[0].abs()
 
 
-def _snr_f64(s, flat, g, hp, floor, agree=False):
-    """catchup_snr (and catchup_agree) re-derived in float64 from their docstrings."""
+def _snr_f64(s, flat, g, hp, floor, agree=False, cap=1.0, trust=None):
+    """catchup_snr (and the catchup_agree family) re-derived in float64 from their
+    docstrings."""
     p, m = s.master[flat].double(), s.m[flat].double()
     a1 = s.age[flat].double() + 1
     gbar = g.double() / a1
@@ -142,6 +147,11 @@ def _snr_f64(s, flat, g, hp, floor, agree=False):
         sigma_m = (sigma2 * (1 - hp["beta1"]) / (1 + hp["beta1"])).sqrt()
         frac = torch.special.erf(mu2.sqrt() / (sigma_m * math.sqrt(2)))
     steps = torch.maximum(a1 * frac, a1 ** floor)
+    steps = torch.minimum(steps, a1 ** cap)
+    if trust is not None:
+        rms = s.master.double().view(-1, BLOCK).pow(2).mean(dim=1).sqrt()
+        reach = rms[flat // BLOCK] * trust / hp["lr"]
+        steps = torch.minimum(steps, torch.maximum(a1.sqrt(), reach))
     v = hp["beta2"] * m ** 2 + (1 - hp["beta2"]) * gbar ** 2
     d = hp["beta1"] ** a1
     m_new = d * m + (1 - d) * gbar
@@ -165,9 +175,11 @@ def test_catchup_snr_matches_float64(floor, world, beta1):
     torch.testing.assert_close(s.m[flat].double(), m_ref, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("rule,floor", [(catchup_agree, 0.0), (catchup_agree_sqrt, 0.5)],
+                         ids=["agree", "agree_sqrt"])
 @pytest.mark.parametrize("beta1", [0.9, 0.0], ids=["b1_0.9", "b1_0"])
 @pytest.mark.parametrize("world", [1, 4], ids=["W1", "W4"])
-def test_catchup_agree_matches_float64(world, beta1):
+def test_catchup_agree_matches_float64(world, beta1, rule, floor):
     s = _shard(21, extra=NOISE_STATE)
     s.extra["s2"].mul_(0.05)  # noise comparable to the means: fractions well inside (0, 1)
     before = _clone(s)
@@ -175,22 +187,54 @@ def test_catchup_agree_matches_float64(world, beta1):
     flat = _flat(idx)
     g = torch.randn(60, generator=torch.Generator().manual_seed(23)) * 3
     hp = dict(HP, world=world, beta1=beta1)
-    catchup_agree(s, g, idx, BLOCK, hp, nan_empty(60))
-    p_ref, m_ref = _snr_f64(before, flat, g, hp, 0.0, agree=True)
+    rule(s, g, idx, BLOCK, hp, nan_empty(60))
+    p_ref, m_ref = _snr_f64(before, flat, g, hp, floor, agree=True)
     torch.testing.assert_close(s.master[flat].double(), p_ref, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(s.m[flat].double(), m_ref, rtol=1e-5, atol=1e-7)
     moved = (s.master[flat].double() - before.master[flat].double()).abs()
     assert bool((moved > 0).all())
 
 
+@pytest.mark.parametrize("rule,bound", [
+    (catchup_agree_cap, dict(cap=0.5)),
+    (catchup_agree_trust, dict(trust=1.0)),
+    (catchup_agree_trust4, dict(trust=0.25)),
+], ids=["cap", "trust", "trust4"])
+def test_bounded_agree_matches_float64(rule, bound):
+    """The bounded agreement rules against float64; with little noise the agreement rule
+    catches up fully, so the bound binds: per block the weights' RMS is 1, 0.01 and 0.1, and
+    the trust bound ``rms / lr`` falls above, below and inside the range of ``a + 1``."""
+    s = _shard(31, extra=NOISE_STATE)
+    s.extra["s2"].mul_(1e-4)
+    s.master.view(3, BLOCK).mul_(torch.tensor([[1.0], [0.01], [0.1]]))
+    before = _clone(s)
+    idx = _mask(32, 3, 20)
+    flat = _flat(idx)
+    g = torch.randn(60, generator=torch.Generator().manual_seed(33)) * 3
+    hp = dict(HP, world=4, weight_decay=0.0)
+    rule(s, g, idx, BLOCK, hp, nan_empty(60))
+    p_ref, m_ref = _snr_f64(before, flat, g, hp, 0.0, agree=True, **bound)
+    torch.testing.assert_close(s.master[flat].double(), p_ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(s.m[flat].double(), m_ref, rtol=1e-5, atol=1e-7)
+    free = _clone(before)
+    catchup_agree(free, g, idx, BLOCK, hp, nan_empty(60))
+    moved = (s.master[flat] - before.master[flat]).abs()
+    moved_free = (free.master[flat] - before.master[flat]).abs()
+    assert bool((moved <= moved_free * (1 + 1e-5) + 1e-9).all()), "a bound moved further"
+    assert bool((moved < 0.9 * moved_free).any()), "the bound never bound"
+    assert bool(torch.isclose(moved, moved_free, rtol=1e-5).any()), "the bound always bound"
+    assert torch.equal(s.m[flat], free.m[flat])  # only the step length differs
+
+
 @pytest.mark.parametrize("quiet_rule,noisy_rule,floor_power", [
     (catchup_snr, catchup_snr_sqrt, 0.5),
     (catchup_agree, catchup_agree, 0.0),
-], ids=["snr", "agree"])
+    (catchup_agree_sqrt, catchup_agree_sqrt, 0.5),
+], ids=["snr", "agree", "agree_sqrt"])
 def test_noise_sized_catchup_limits(quiet_rule, noisy_rule, floor_power):
     """No noise: full catch-up (catchup_mean). Pure noise (a zero mean arrived): the floor,
-    i.e. the square-root rule for catchup_snr_sqrt and one step for catchup_agree, however
-    long the wait."""
+    i.e. the square-root rule for catchup_snr_sqrt and catchup_agree_sqrt and one step for
+    catchup_agree, however long the wait."""
     idx = _mask(14, 3, 16)
     flat = _flat(idx)
     g = torch.randn(48, generator=torch.Generator().manual_seed(15))
