@@ -257,3 +257,12 @@ def grad_stats(x: torch.Tensor) -> torch.Tensor:
     else:
         count = (~torch.isfinite(x)).sum(dtype=torch.float32)
     return torch.stack([sumsq.float(), count])
+
+
+def noise_ema_(buf: torch.Tensor, prev: torch.Tensor, age: torch.Tensor, s2: torch.Tensor,
+               s2w: torch.Tensor, *, beta: float, error_feedback: bool) -> None:
+    """The EMA of the local gradient's square (see ``scape.kernels.noise_ema_``)."""
+    local = buf - prev.masked_fill_(age == 0, 0.0) if error_feedback else buf.clone()
+    s2.mul_(beta).addcmul_(local, local, value=1.0 - beta)
+    s2w.mul_(beta).add_(1.0 - beta)
+    prev.copy_(buf)

@@ -1,10 +1,15 @@
-"""Gradient statistics for clipping and the non-finite skip decision (DESIGN §1).
+"""Gradient statistics: for clipping and the non-finite skip decision (DESIGN §1), and the
+owner's running estimate of its own gradient noise (the agreement rules of scape.rules).
 
 Triton: a deterministic two-stage reduction. Stage one, one program per ``TILE`` entries,
 writes a partial fp32 sum of squares and an int32 non-finite count; stage two, one program,
 adds the partials in a fixed order (sum in fp32, count in int64) and writes the fp32 pair.
 Bytes: reads ``N * s`` (``s`` the element size) plus ``8`` per tile of partials, writes 8.
 No atomics, so the result is bitwise reproducible run to run.
+
+``noise_ema_``: one elementwise pass, one program per ``TILE`` entries. Bytes: reads
+``buf`` (4), ``prev`` (4), ``age`` (4), ``s2`` (4), ``s2w`` (4), writes ``s2``, ``s2w``,
+``prev`` (12): 32 per entry, where the same update as separate torch ops moves about 70.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ import triton
 import triton.language as tl
 
 from . import reference
-from ._checks import FLOAT_DTYPES, check_tensor, use_triton
+from ._checks import FLOAT_DTYPES, check_numel, check_same_device, check_tensor, use_triton
 
 
 @triton.jit
@@ -70,3 +75,66 @@ def grad_stats(x: torch.Tensor) -> torch.Tensor:
     if use_triton(x):
         return grad_stats_triton(x)
     return reference.grad_stats(x)
+
+
+@triton.jit
+def _noise_ema_kernel(p_buf, p_prev, p_age, p_s2, p_s2w, n, beta,
+                      ERROR_FEEDBACK: tl.constexpr, TILE: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * TILE + tl.arange(0, TILE)
+    m_n = offs < n
+    b_buf = tl.load(p_buf + offs, mask=m_n, other=0.0)
+    if ERROR_FEEDBACK:
+        b_prev = tl.load(p_prev + offs, mask=m_n, other=0.0)
+        b_age = tl.load(p_age + offs, mask=m_n, other=0)
+        b_local = b_buf - tl.where(b_age == 0, 0.0, b_prev)
+    else:
+        b_local = b_buf
+    b_s2 = tl.load(p_s2 + offs, mask=m_n, other=0.0)
+    b_s2w = tl.load(p_s2w + offs, mask=m_n, other=0.0)
+    tl.store(p_s2 + offs, b_s2 * beta + (1.0 - beta) * (b_local * b_local), mask=m_n)
+    tl.store(p_s2w + offs, b_s2w * beta + (1.0 - beta), mask=m_n)
+    tl.store(p_prev + offs, b_buf, mask=m_n)
+
+
+NOISE_TILE = 2048
+
+
+def noise_ema_triton(buf: torch.Tensor, prev: torch.Tensor, age: torch.Tensor,
+                     s2: torch.Tensor, s2w: torch.Tensor, beta: float,
+                     error_feedback: bool) -> None:
+    """Launch :func:`_noise_ema_kernel` (arguments already validated)."""
+    n = buf.numel()
+    _noise_ema_kernel[(triton.cdiv(n, NOISE_TILE),)](
+        buf, prev, age, s2, s2w, n, beta, ERROR_FEEDBACK=error_feedback, TILE=NOISE_TILE,
+        num_warps=8)
+
+
+def noise_ema_(buf: torch.Tensor, prev: torch.Tensor, age: torch.Tensor, s2: torch.Tensor,
+               s2w: torch.Tensor, *, beta: float, error_feedback: bool) -> None:
+    """EMA of the square of a rank's own per-step gradient, in place (fp32 1-D tensors of one
+    length; ``age`` int32)::
+
+        local = buf - where(age == 0, 0, prev)    (buf itself without error feedback)
+        s2  = beta * s2  + (1 - beta) * local^2
+        s2w = beta * s2w + (1 - beta)             (s2 / s2w is unbiased from the first step)
+        prev = buf
+
+    ``buf`` is this step's gradient plus the residual the previous step left; ``prev`` the
+    previous ``buf``, whose coordinates synced last step (``age == 0``) left no residual.
+    """
+    check_tensor("buf", buf, dtypes=(torch.float32,), ndim=1)
+    n = buf.numel()
+    for name, t in (("prev", prev), ("s2", s2), ("s2w", s2w)):
+        check_tensor(name, t, dtypes=(torch.float32,), ndim=1)
+        check_numel(name, t, n, "same length as buf")
+    check_tensor("age", age, dtypes=(torch.int32,), ndim=1)
+    check_numel("age", age, n, "same length as buf")
+    check_same_device(buf=buf, prev=prev, age=age, s2=s2, s2w=s2w)
+    if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0.0 <= beta < 1.0:
+        raise ValueError(f"beta must be a float in [0, 1), got {beta!r}")
+    if n == 0:
+        return
+    if use_triton(buf):
+        return noise_ema_triton(buf, prev, age, s2, s2w, float(beta), bool(error_feedback))
+    reference.noise_ema_(buf, prev, age, s2, s2w, beta=float(beta),
+                         error_feedback=bool(error_feedback))

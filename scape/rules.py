@@ -39,7 +39,7 @@ from collections.abc import Callable
 import torch
 
 from scape.drift import DriftSpec
-from scape.kernels import adams_sparse_
+from scape.kernels import adams_sparse_, noise_ema_
 
 
 @dataclasses.dataclass
@@ -143,13 +143,12 @@ def observe_local_noise(shard: ShardState, buf: torch.Tensor, error_feedback: bo
     The buffer holds the residual left by the previous step plus this step's gradient. The
     previous residual is the previous buffer (``extra["prev"]``) with the coordinates synced
     last step (``age == 0``: the mask, or everything after a dense step) zeroed, so this
-    step's own gradient is ``buf - where(age == 0, 0, prev)``. One copy of the shard per step.
+    step's own gradient is ``buf - where(age == 0, 0, prev)``. One fused pass on a GPU
+    (:func:`scape.kernels.noise_ema_`).
     """
-    prev = shard.extra["prev"]
-    local = buf - prev.masked_fill_(shard.age == 0, 0.0) if error_feedback else buf.clone()
-    shard.extra["s2"].mul_(NOISE_BETA).addcmul_(local, local, value=1.0 - NOISE_BETA)
-    shard.extra["s2w"].mul_(NOISE_BETA).add_(1.0 - NOISE_BETA)
-    prev.copy_(buf)
+    ex = shard.extra
+    noise_ema_(buf, ex["prev"], shard.age, ex["s2"], ex["s2w"], beta=NOISE_BETA,
+               error_feedback=error_feedback)
 
 
 def catchup_snr(shard: ShardState, g: torch.Tensor, idx: torch.Tensor, block_size: int,

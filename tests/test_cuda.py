@@ -239,6 +239,23 @@ def test_grad_stats_match_float64(dtype):
     assert s[1].item() == 9 and not torch.isfinite(s[0])
 
 
+@pytest.mark.parametrize("error_feedback", [True, False], ids=["ef", "no_ef"])
+def test_noise_ema_matches_float64(error_feedback):
+    n = (1 << 22) + 99
+    gen = _gen("cuda-noise", error_feedback)
+    buf, prev0 = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
+    age = torch.randint(0, 3, (n,), generator=gen, dtype=torch.int32)
+    s2_0, s2w_0 = torch.rand(n, generator=gen), torch.rand(n, generator=gen)
+    prev, s2, s2w = prev0.to(DEV, copy=True), s2_0.to(DEV, copy=True), s2w_0.to(DEV, copy=True)
+    kernels.noise_ema_(buf.to(DEV), prev, age.to(DEV), s2, s2w, beta=0.95,
+                       error_feedback=error_feedback)
+    local = buf.double() - (torch.where(age == 0, 0.0, prev0.double()) if error_feedback
+                            else 0.0)
+    assert_close(_cpu(s2), 0.95 * s2_0.double() + 0.05 * local ** 2, F32, "s2")
+    assert_close(_cpu(s2w), 0.95 * s2w_0.double() + 0.05, F32, "s2w")
+    assert torch.equal(_cpu(prev), buf)
+
+
 @pytest.mark.parametrize("bits", [2, 4, 8])
 def test_pack_unpack_match_cpu_bitwise(bits):
     n, group = 64 * 1000 + 64, 64

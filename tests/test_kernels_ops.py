@@ -233,3 +233,24 @@ def test_grad_stats_is_deterministic(backend):
     x = torch.randn(9 * 4096, generator=_gen("stats-det"))
     a, b = kernels.grad_stats(x), kernels.grad_stats(x)
     assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("error_feedback", [True, False], ids=["ef", "no_ef"])
+@pytest.mark.parametrize("n", [pytest.param(256, id="n256"),
+                               pytest.param(3 * 2048 + 77, id="n6221-tail")])
+def test_noise_ema(backend, n, error_feedback):
+    gen = _gen("noise", n, error_feedback)
+    buf = torch.randn(n, generator=gen)
+    prev0 = torch.randn(n, generator=gen)
+    age = torch.randint(0, 3, (n,), generator=gen, dtype=torch.int32)  # a third synced
+    s2_0 = torch.rand(n, generator=gen)
+    s2w_0 = torch.rand(n, generator=gen)
+    prev, s2, s2w = prev0.clone(), s2_0.clone(), s2w_0.clone()
+    buf_before, age_before = buf.clone(), age.clone()
+    kernels.noise_ema_(buf, prev, age, s2, s2w, beta=0.95, error_feedback=error_feedback)
+    local = buf.double() - (torch.where(age == 0, 0.0, prev0.double()) if error_feedback
+                            else 0.0)
+    assert_close(s2, 0.95 * s2_0.double() + 0.05 * local ** 2, F32, "s2")
+    assert_close(s2w, 0.95 * s2w_0.double() + 0.05, F32, "s2w")
+    assert torch.equal(prev, buf), "prev must become buf"
+    assert torch.equal(buf, buf_before) and torch.equal(age, age_before), "inputs written"

@@ -133,6 +133,18 @@ BAD = [
      ValueError, ["x", "1-D"]),
     ("stats-not-a-tensor", lambda: kernels.grad_stats([1.0, 2.0]),
      TypeError, ["x", "Tensor", "list"]),
+    ("noise-s2-length", lambda: kernels.noise_ema_(_f(), _f(), _age(), _f(B), _f(),
+                                                   beta=0.9, error_feedback=True),
+     ValueError, ["s2", str(B), str(N)]),
+    ("noise-age-dtype", lambda: kernels.noise_ema_(_f(), _f(), _f(), _f(), _f(), beta=0.9,
+                                                   error_feedback=True),
+     TypeError, ["age", "int32", "float32"]),
+    ("noise-buf-bf16", lambda: kernels.noise_ema_(_f(dtype=torch.bfloat16), _f(), _age(), _f(),
+                                                  _f(), beta=0.9, error_feedback=True),
+     TypeError, ["buf", "float32", "bfloat16"]),
+    ("noise-beta-one", lambda: kernels.noise_ema_(_f(), _f(), _age(), _f(), _f(), beta=1.0,
+                                                  error_feedback=True),
+     ValueError, ["beta", "1.0"]),
 ]
 
 
@@ -172,6 +184,8 @@ LAUNCHES = [
     (moments, "adamw_dense_triton", reference, "adamw_dense_",
      lambda: kernels.adamw_dense_(_f(), _f(), _f(), _f(), step=1, **HP)),
     (stats, "grad_stats_triton", reference, "grad_stats", lambda: kernels.grad_stats(_f())),
+    (stats, "noise_ema_triton", reference, "noise_ema_",
+     lambda: kernels.noise_ema_(_f(), _f(), _age(), _f(), _f(), beta=0.9, error_feedback=True)),
 ]
 
 
