@@ -243,7 +243,8 @@ DENSE_LRS = (1e-3, 3e-3, 1e-2)
 
 GROUP_RULES = ("catchup_sqrt_accum", "catchup_agree_accum", "catchup_agree_sqrt_accum",
                "catchup_agree_cap_accum", "catchup_agree_trust_accum",
-               "catchup_agree_trust4_accum", "catchup_snr_accum", "lazy")
+               "catchup_agree_trust2_accum", "catchup_agree_trust4_accum", "catchup_snr_accum",
+               "lazy")
 """Rules measured with per-group sparsity and in a transform domain:
 
 - ``-embed0.9`` puts the embedding matrices (token, position; the tied head) in their own group

@@ -248,6 +248,12 @@ def catchup_agree_trust(shard: ShardState, g: torch.Tensor, idx: torch.Tensor, b
     catchup_snr(shard, g, idx, block_size, hp, model_out, agree=True, trust=1.0)
 
 
+def catchup_agree_trust2(shard: ShardState, g: torch.Tensor, idx: torch.Tensor,
+                         block_size: int, hp: dict, model_out: torch.Tensor) -> None:
+    """:func:`catchup_agree_trust` with half the reach: ``lr * n <= rms_b / 2``."""
+    catchup_snr(shard, g, idx, block_size, hp, model_out, agree=True, trust=0.5)
+
+
 def catchup_agree_trust4(shard: ShardState, g: torch.Tensor, idx: torch.Tensor,
                          block_size: int, hp: dict, model_out: torch.Tensor) -> None:
     """:func:`catchup_agree_trust` with a quarter of the reach: ``lr * n <= rms_b / 4``."""
@@ -286,6 +292,8 @@ RULES: dict[str, Rule] = {
                                     observe=observe_local_noise, extra=NOISE_STATE),
     "catchup_agree_trust_accum": Rule(catchup_agree_trust, accumulated_score,
                                       observe=observe_local_noise, extra=NOISE_STATE),
+    "catchup_agree_trust2_accum": Rule(catchup_agree_trust2, accumulated_score,
+                                       observe=observe_local_noise, extra=NOISE_STATE),
     "catchup_agree_trust4_accum": Rule(catchup_agree_trust4, accumulated_score,
                                        observe=observe_local_noise, extra=NOISE_STATE),
 }

@@ -19,6 +19,7 @@ from scape.rules import (
     catchup_agree_cap,
     catchup_agree_sqrt,
     catchup_agree_trust,
+    catchup_agree_trust2,
     catchup_agree_trust4,
     catchup_mean,
     catchup_snr,
@@ -198,8 +199,9 @@ def test_catchup_agree_matches_float64(world, beta1, rule, floor):
 @pytest.mark.parametrize("rule,bound", [
     (catchup_agree_cap, dict(cap=0.5)),
     (catchup_agree_trust, dict(trust=1.0)),
+    (catchup_agree_trust2, dict(trust=0.5)),
     (catchup_agree_trust4, dict(trust=0.25)),
-], ids=["cap", "trust", "trust4"])
+], ids=["cap", "trust", "trust2", "trust4"])
 def test_bounded_agree_matches_float64(rule, bound):
     """The bounded agreement rules against float64; with little noise the agreement rule
     catches up fully, so the bound binds: per block the weights' RMS is 1, 0.01 and 0.1, and
