@@ -91,8 +91,10 @@ def _noise_ema_kernel(p_buf, p_prev, p_age, p_s2, p_s2w, n, beta,
         b_local = b_buf
     b_s2 = tl.load(p_s2 + offs, mask=m_n, other=0.0)
     b_s2w = tl.load(p_s2w + offs, mask=m_n, other=0.0)
-    tl.store(p_s2 + offs, b_s2 * beta + (1.0 - beta) * (b_local * b_local), mask=m_n)
-    tl.store(p_s2w + offs, b_s2w * beta + (1.0 - beta), mask=m_n)
+    m_ok = tl.abs(b_local) < float("inf")  # NaN compares false: not an observation
+    tl.store(p_s2 + offs, tl.where(m_ok, b_s2 * beta + (1.0 - beta) * (b_local * b_local), b_s2),
+             mask=m_n)
+    tl.store(p_s2w + offs, tl.where(m_ok, b_s2w * beta + (1.0 - beta), b_s2w), mask=m_n)
     tl.store(p_prev + offs, b_buf, mask=m_n)
 
 
@@ -121,6 +123,8 @@ def noise_ema_(buf: torch.Tensor, prev: torch.Tensor, age: torch.Tensor, s2: tor
 
     ``buf`` is this step's gradient plus the residual the previous step left; ``prev`` the
     previous ``buf``, whose coordinates synced last step (``age == 0``) left no residual.
+    Where ``local`` is not finite (a step that will be skipped) ``s2`` and ``s2w`` keep their
+    values: one bad gradient must not poison the estimate for good.
     """
     check_tensor("buf", buf, dtypes=(torch.float32,), ndim=1)
     n = buf.numel()

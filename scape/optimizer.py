@@ -183,6 +183,12 @@ class SCAPE(ShardedOptimizer):
             b = self.buckets[i]
             self.rule.observe(self.shards[i], b.grad_flat[b.shard], self.error_feedback)
 
+    def _after_skip(self) -> None:
+        """The residuals were cleared: let the rule forget what it kept of the buffer."""
+        if self.rule.reset is not None:
+            for s in self.shards:
+                self.rule.reset(s)
+
     def _schedule_dense(self, t: int) -> bool:
         return t <= self.warmup_steps or (self.dense_every > 0 and t % self.dense_every == 0)
 

@@ -73,6 +73,9 @@ class Rule:
     extra: tuple[str, ...] = ()
     """Names of the fp32 shard-sized tensors the rule keeps in ``shard.extra`` (zeros at
     construction; saved, loaded and resharded with the shard)."""
+    reset: Callable[[ShardState], None] | None = None
+    """Called after a skipped step (non-finite gradient somewhere), whose residuals were
+    cleared: what ``observe`` kept of the buffer no longer describes it."""
 
 
 def mask_positions(idx: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -144,11 +147,19 @@ def observe_local_noise(shard: ShardState, buf: torch.Tensor, error_feedback: bo
     previous residual is the previous buffer (``extra["prev"]``) with the coordinates synced
     last step (``age == 0``: the mask, or everything after a dense step) zeroed, so this
     step's own gradient is ``buf - where(age == 0, 0, prev)``. One fused pass on a GPU
-    (:func:`scape.kernels.noise_ema_`).
+    (:func:`scape.kernels.noise_ema_`). A non-finite entry (a step about to be skipped) leaves
+    that coordinate's ``s2`` and ``s2w`` as they were; after the skip,
+    :func:`reset_local_noise` clears ``prev`` (the skip cleared the residual).
     """
     ex = shard.extra
     noise_ema_(buf, ex["prev"], shard.age, ex["s2"], ex["s2w"], beta=NOISE_BETA,
                error_feedback=error_feedback)
+
+
+def reset_local_noise(shard: ShardState) -> None:
+    """After a skipped step the residual is zero: the next buffer is that step's gradient
+    alone, so the previous buffer to subtract is zero too."""
+    shard.extra["prev"].zero_()
 
 
 def catchup_snr(shard: ShardState, g: torch.Tensor, idx: torch.Tensor, block_size: int,
@@ -266,6 +277,13 @@ def catchup_snr_sqrt(shard: ShardState, g: torch.Tensor, idx: torch.Tensor, bloc
     catchup_snr(shard, g, idx, block_size, hp, model_out, floor=0.5)
 
 
+def _noise_sized(update: UpdateFn) -> Rule:
+    """A rule that sizes the catch-up by the owner's local noise estimate: accumulated-mass
+    selection and the local-noise seams."""
+    return Rule(update, accumulated_score, observe=observe_local_noise, extra=NOISE_STATE,
+                reset=reset_local_noise)
+
+
 RULES: dict[str, Rule] = {
     "lazy": Rule(lazy),
     "lazy_accum": Rule(lazy, accumulated_score),
@@ -280,21 +298,13 @@ RULES: dict[str, Rule] = {
     "drift90_commit_sqrt_accum": Rule(catchup_sqrt, accumulated_score, DriftSpec(0.9, True)),
     "drift_commit_lazy_accum": Rule(lazy, accumulated_score, DriftSpec(0.99, True)),
     "drift_commit_accum": Rule(catchup_mean, accumulated_score, DriftSpec(0.99, True)),
-    "catchup_snr_accum": Rule(catchup_snr, accumulated_score, observe=observe_local_noise,
-                              extra=NOISE_STATE),
-    "catchup_agree_accum": Rule(catchup_agree, accumulated_score, observe=observe_local_noise,
-                                extra=NOISE_STATE),
-    "catchup_snr_sqrt_accum": Rule(catchup_snr_sqrt, accumulated_score,
-                                   observe=observe_local_noise, extra=NOISE_STATE),
-    "catchup_agree_sqrt_accum": Rule(catchup_agree_sqrt, accumulated_score,
-                                     observe=observe_local_noise, extra=NOISE_STATE),
-    "catchup_agree_cap_accum": Rule(catchup_agree_cap, accumulated_score,
-                                    observe=observe_local_noise, extra=NOISE_STATE),
-    "catchup_agree_trust_accum": Rule(catchup_agree_trust, accumulated_score,
-                                      observe=observe_local_noise, extra=NOISE_STATE),
-    "catchup_agree_trust2_accum": Rule(catchup_agree_trust2, accumulated_score,
-                                       observe=observe_local_noise, extra=NOISE_STATE),
-    "catchup_agree_trust4_accum": Rule(catchup_agree_trust4, accumulated_score,
-                                       observe=observe_local_noise, extra=NOISE_STATE),
+    "catchup_snr_accum": _noise_sized(catchup_snr),
+    "catchup_agree_accum": _noise_sized(catchup_agree),
+    "catchup_snr_sqrt_accum": _noise_sized(catchup_snr_sqrt),
+    "catchup_agree_sqrt_accum": _noise_sized(catchup_agree_sqrt),
+    "catchup_agree_cap_accum": _noise_sized(catchup_agree_cap),
+    "catchup_agree_trust_accum": _noise_sized(catchup_agree_trust),
+    "catchup_agree_trust2_accum": _noise_sized(catchup_agree_trust2),
+    "catchup_agree_trust4_accum": _noise_sized(catchup_agree_trust4),
 }
 """Sparse-step rules by the name passed as ``update=``."""

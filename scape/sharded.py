@@ -139,6 +139,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def _after_update(self, dense_flags: list[bool]) -> None:
         """Called after every applied (not skipped) step, e.g. to launch the next mask."""
 
+    def _after_skip(self) -> None:
+        """Called after a skipped step, once the gradient buffers (residuals) are cleared."""
+
     def _step_mask(self, i: int, dense: bool) -> torch.Tensor | None:
         """The mask bucket ``i`` synchronized this step (None when dense)."""
         return None
@@ -316,6 +319,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             if fault is not None:
                 fault.fire(self._step, "mask_sync", self)
             self._after_update(dense_flags)
+        else:
+            self._after_skip()
         if not self._attached:
             self.finish_param_sync()
         after = self.comm.stats

@@ -254,6 +254,15 @@ def test_noise_ema_matches_float64(error_feedback):
     assert_close(_cpu(s2), 0.95 * s2_0.double() + 0.05 * local ** 2, F32, "s2")
     assert_close(_cpu(s2w), 0.95 * s2w_0.double() + 0.05, F32, "s2w")
     assert torch.equal(_cpu(prev), buf)
+    # a non-finite entry is no observation: s2 and s2w keep their values there
+    s2_1, s2w_1 = _cpu(s2), _cpu(s2w)
+    bad = torch.randperm(n, generator=gen)[:5]
+    buf[bad] = float("nan")
+    kernels.noise_ema_(buf.to(DEV), prev, age.to(DEV), s2, s2w, beta=0.95,
+                       error_feedback=error_feedback)
+    s2_2, s2w_2 = _cpu(s2), _cpu(s2w)
+    assert torch.equal(s2_2[bad], s2_1[bad]) and torch.equal(s2w_2[bad], s2w_1[bad])
+    assert bool(torch.isfinite(s2_2).all())
 
 
 @pytest.mark.parametrize("bits", [2, 4, 8])

@@ -254,3 +254,23 @@ def test_noise_ema(backend, n, error_feedback):
     assert_close(s2w, 0.95 * s2w_0.double() + 0.05, F32, "s2w")
     assert torch.equal(prev, buf), "prev must become buf"
     assert torch.equal(buf, buf_before) and torch.equal(age, age_before), "inputs written"
+
+
+def test_noise_ema_ignores_non_finite_entries(backend):
+    """A NaN or inf in the buffer (a step about to be skipped) is no observation: ``s2`` and
+    ``s2w`` keep their values there, the rest update, ``prev`` still becomes ``buf``."""
+    n = 2 * 2048 + 5
+    gen = _gen("noise-nonfinite")
+    buf, prev = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
+    age = torch.ones(n, dtype=torch.int32)
+    s2, s2w = torch.rand(n, generator=gen), torch.rand(n, generator=gen)
+    bad = torch.randperm(n, generator=gen)[:9]
+    buf[bad[:3]], buf[bad[3:6]], prev[bad[6:]] = float("nan"), float("inf"), -float("inf")
+    s2_0, s2w_0 = s2.clone(), s2w.clone()
+    kernels.noise_ema_(buf, prev, age, s2, s2w, beta=0.95, error_feedback=True)
+    good = torch.ones(n, dtype=torch.bool)
+    good[bad] = False
+    assert torch.equal(s2[bad], s2_0[bad]) and torch.equal(s2w[bad], s2w_0[bad])
+    assert bool(torch.isfinite(s2).all()) and bool(torch.isfinite(s2w).all())
+    assert bool((s2w[good] != s2w_0[good]).all())
+    assert torch.equal(prev.view(torch.int32), buf.view(torch.int32))

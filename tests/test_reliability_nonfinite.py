@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 
+import pytest
 import torch
 import torch.distributed as dist
 from dist import run_ranks
@@ -24,10 +25,11 @@ BAD_STEPS = {7: ("nan", "own"), 9: ("nan", "other"), 11: ("inf", "own"),
 BAD_RANK = 1
 
 
-def _nonfinite_body(rank, world):
+def _nonfinite_body(rank, world, update):
     model = make_model()
-    opt = make_opt(model)
+    opt = make_opt(model, update=update)
     b = opt.buckets[0]
+    noise = opt.shards[0].extra  # the local-noise rules' state (empty for the default rule)
     for t in range(1, 17):
         if t not in BAD_STEPS:
             before = snapshot(opt)
@@ -56,6 +58,9 @@ def _nonfinite_body(rank, world):
         bad = differing({k: before[k] for k in keys}, {k: after[k] for k in keys})
         assert not bad, f"step {t} ({kind} in {where} shard) changed {bad}"
         assert all(float(bk.grad_flat.abs().max()) == 0.0 for bk in opt.buckets)
+        if noise:  # the skip cleared the residual, so the rule's copy of the buffer is zero
+            assert float(noise["prev"].abs().max()) == 0.0, f"step {t}: prev not reset"
+            assert all(bool(torch.isfinite(noise[k]).all()) for k in ("s2", "s2w")), t
     # every rank ends with the same parameters
     digest = torch.tensor(list(hashlib.sha256(b.param_flat.numpy().tobytes()).digest()),
                           dtype=torch.uint8)
@@ -65,8 +70,12 @@ def _nonfinite_body(rank, world):
     return opt.step_count
 
 
-def test_nonfinite_gradient_skips_on_every_rank():
-    assert run_ranks(_nonfinite_body, 2, timeout=180) == [16, 16]
+@pytest.mark.parametrize("update", ["catchup_sqrt_accum", "catchup_agree_trust4_accum"],
+                         ids=["sqrt", "agree_trust4"])
+def test_nonfinite_gradient_skips_on_every_rank(update):
+    """Also for a rule with local noise state: one bad gradient must not poison it (a NaN
+    kept in ``s2`` would reach the parameters the next time that coordinate is sent)."""
+    assert run_ranks(_nonfinite_body, 2, update, timeout=180) == [16, 16]
 
 
 def _mask_hashes(opt, steps, fill):
