@@ -71,9 +71,9 @@ class SCAPE(ShardedOptimizer):
     Args:
         params: parameters or param groups (groups may set ``lr``, ``betas``, ``eps``,
             ``weight_decay`` and ``sparsity``; a group with ``sparsity=0`` is always dense).
-            At 0.99, put the embedding matrices (a tied output head among them) in a group
-            of their own at ``sparsity=0.9``: the 0.99 quality gap of the convergence ablation
-            sits there (README, "Give the embeddings their own group").
+            At 0.99, putting the embedding matrices (a tied output head among them) in a group
+            of their own at ``sparsity=0.9`` closes most of the gap that remains at short
+            budgets (README, "Give the embeddings their own group").
         lr: learning rate (any torch LR scheduler may change it per group).
         betas: ``(beta1, beta2)`` of AdamS.
         eps: added to the AdamS denominator.
@@ -85,16 +85,21 @@ class SCAPE(ShardedOptimizer):
         explore: fraction of each block's budget chosen by age instead of ``|m|``.
         error_feedback: keep what was not sent in the gradient buffer for later steps.
         update: the sparse-step rule, a key of :data:`scape.rules.RULES`. The default,
-            ``"catchup_sqrt_accum"``, selects by accumulated mass ``|m|*(age+1)`` and moves
-            a coordinate ``sqrt(age+1)`` AdamS steps from the mean of the gradients it
-            missed: it trains wherever dense AdamS does in the ablation's learning-rate
-            sweeps and keeps no extra state (bench/README.md). For quality at 0.99 use
-            ``"catchup_agree_accum"`` (steps sized like dense AdamS's expected displacement)
-            with the embedding matrices in their own group at sparsity 0.9: the best of the
-            convergence ablation at 400, 2,000 and 8,000 steps, at the price of 12 bytes of
-            state per shard coordinate, more local compute, and less headroom at high
-            learning rates. At sparsity 0.9 it and ``"catchup_snr_accum"`` end ahead of
-            dense AdamS over 2,000 steps. ``"lazy"`` is DESIGN §1's baseline.
+            ``"catchup_agree_trust4_accum"``, selects by accumulated mass ``|m|*(age+1)``
+            and moves a coordinate the number of AdamS steps dense AdamS would have moved in
+            the ``age+1`` steps it missed (``(age+1)`` times its expected sign agreement,
+            from the owner's local noise estimate), capped at the larger of ``sqrt(age+1)``
+            and ``rms_b / (4 lr)`` (a quarter of its block's weight RMS). With every group
+            at 0.99 it is the best rule of the convergence ablation at 2,000 and 8,000 steps
+            (1.14x and 1.00x dense AdamS; 1.14x at 400, behind the unbounded rule's 1.11x),
+            it ties the best at 0.9, and it trains wherever the square-root rule does in the
+            learning-rate sweeps (bench/README.md, hypothesis 10). It keeps 12 bytes of state
+            per shard coordinate.
+            ``"catchup_sqrt_accum"`` (the previous default: no extra state, less local
+            compute) moves ``sqrt(age+1)`` steps. For the best quality at 2,000 steps put the
+            embedding matrices in their own group at sparsity 0.9 and use
+            ``"catchup_agree_accum"`` or ``"catchup_agree_trust2_accum"`` (1.02-1.03x), which
+            have less headroom at high learning rates. ``"lazy"`` is DESIGN §1's baseline.
         max_grad_norm: clip the synchronized gradient to this norm (None: no clipping).
         grad_comm_dtype: dtype of gradients on the wire (float32, bfloat16, float16).
         comm: a :class:`scape.comm.Communicator`; default: a ``TorchCommunicator`` on the
@@ -107,7 +112,7 @@ class SCAPE(ShardedOptimizer):
                  eps: float = 1e-8, weight_decay: float = 0.0, sparsity: float = 0.99,
                  block_size: int = 4096, warmup_steps: int = 20, dense_every: int = 0,
                  explore: float = 0.1, error_feedback: bool = True,
-                 update: str = "catchup_sqrt_accum",
+                 update: str = "catchup_agree_trust4_accum",
                  max_grad_norm: float | None = None,
                  grad_comm_dtype: torch.dtype = torch.float32,
                  comm: Communicator | None = None) -> None:
