@@ -23,8 +23,9 @@ that change (otherwise the ranks' models drift apart).
 
 Optional seams, each free of communication: ``observe(shard, buf, error_feedback)`` sees the
 owner's slice of its own gradient buffer at the start of every step (local statistics, kept
-in the shard tensors named by ``extra``, which checkpoints save and reshard); ``drift`` makes
-every rank move unsent coordinates between syncs from replicated state (:mod:`scape.drift`).
+in the shard tensors named by ``extra``, which checkpoints save and reshard); ``reset(shard)``
+runs after a skipped step, whose residuals were cleared; ``drift`` makes every rank move
+unsent coordinates between syncs from replicated state (:mod:`scape.drift`).
 
 Registering a variant is one :class:`Rule` in :data:`RULES` plus its test. The rules and what
 each one measured are in bench/README.md ("Convergence and the quality research").
