@@ -342,10 +342,13 @@ def test_nccl_single_rank_equals_torch_communicator():
     assert l_nccl == l_torch
 
 
-def test_step_launches_triton_kernels_and_balances_nvtx(monkeypatch):
+@pytest.mark.parametrize("update,kernel", [(None, "_noise_ema_kernel"),
+                                           ("catchup_sqrt_accum", "_adams_sparse_kernel")],
+                         ids=["default", "sqrt"])
+def test_step_launches_triton_kernels_and_balances_nvtx(monkeypatch, update, kernel):
     model = _mlp(DEV)
     opt = scape.SCAPE(model.parameters(), lr=1e-2, sparsity=0.99, block_size=256,
-                      warmup_steps=1)
+                      warmup_steps=1, **({"update": update} if update else {}))
     x = torch.randn(32, 64, device=DEV)
 
     def step():
@@ -367,8 +370,8 @@ def test_step_launches_triton_kernels_and_balances_nvtx(monkeypatch):
         step()
         torch.cuda.synchronize()
     names = {e.name for e in prof.events()}
-    for kernel in ("_blockwise_topk_kernel", "_adams_sparse_kernel", "_take_kernel"):
-        assert any(kernel in nm for nm in names), f"{kernel} not launched; saw {sorted(names)}"
+    for k in ("_blockwise_topk_kernel", "_take_kernel", kernel):
+        assert any(k in nm for nm in names), f"{k} not launched; saw {sorted(names)}"
     assert len(ranges) == len(pops) > 0, (ranges, len(pops))
     assert set(ranges) <= set(PHASES), set(ranges) - set(PHASES)
     assert {"scape/take", "scape/reduce_scatter", "scape/update", "scape/all_gather"} <= set(ranges)
