@@ -9,7 +9,8 @@ No atomics, so the result is bitwise reproducible run to run.
 
 ``noise_ema_``: one elementwise pass, one program per ``TILE`` entries. Bytes: reads
 ``buf`` (4), ``prev`` (4), ``age`` (4), ``s2`` (4), ``s2w`` (4), writes ``s2``, ``s2w``,
-``prev`` (12): 32 per entry, where the same update as separate torch ops moves about 70.
+``prev`` (12): 32 per entry (24 without error feedback, which reads neither ``prev`` nor
+``age``), where the same update as separate torch ops moves about 70.
 """
 
 from __future__ import annotations
