@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import os
+import zlib
 
 import torch
 
@@ -135,3 +136,43 @@ def make_scores(kind: str, n: int, dtype: torch.dtype, seed: int) -> torch.Tenso
     else:
         raise ValueError(kind)
     return x.to(dtype)
+
+
+def seeded(*key) -> torch.Generator:
+    """A CPU generator seeded by a stable hash of ``key`` (fresh inputs per test case)."""
+    return torch.Generator().manual_seed(zlib.crc32("-".join(map(str, key)).encode()))
+
+
+def random_mask(n_blocks: int, block_size: int, k: int, gen: torch.Generator) -> torch.Tensor:
+    """Random sorted distinct offsets per block (CPU int16), always including the block's last
+    offset when k > 1 (the int16 / int64 edge)."""
+    keys = torch.rand(n_blocks, block_size, generator=gen)
+    if k > 1:
+        keys[:, -1] = 2.0
+    return keys.topk(k, dim=1).indices.sort(dim=1).values.to(torch.int16).contiguous()
+
+
+def check_adams_sparse(before, after, g, idx, block_size, hp, weight_decay, catchup) -> None:
+    """``adams_sparse_`` took ``before = (p0, m0, age0)`` to ``after = (p, m, age, model_out)``
+    (all CPU): float64 values at the mask, the cast into ``model_out``, nothing else moved,
+    ages reset at the mask and advanced elsewhere."""
+    (p0, m0, age0), (p, m, age, out) = before, after
+    flat = flat_positions(idx, block_size)
+    outside = torch.ones(p0.numel(), dtype=torch.bool)
+    outside[flat] = False
+    ep, em = adams_f64(p0[flat], m0[flat], g, hp["lr"], hp["beta1"], hp["beta2"], hp["eps"],
+                       weight_decay, age=age0[flat], catchup=catchup)
+    assert_close(p[flat], ep, torch.float32, "p at the mask")
+    assert_close(m[flat], em, torch.float32, "m at the mask")
+    assert_cast_equal(out, p[flat], "model_out")
+    assert torch.equal(p[outside], p0[outside]) and torch.equal(m[outside], m0[outside])
+    assert (age[flat] == 0).all()
+    assert torch.equal(age[outside], age0[outside] + 1)
+
+
+def noise_ema_f64(buf, prev0, age, s2_0, s2w_0, beta, error_feedback):
+    """``noise_ema_``'s ``(s2, s2w)`` in float64 from the inputs (all finite)."""
+    local = buf.double() - (torch.where(age == 0, 0.0, prev0.double()) if error_feedback
+                            else 0.0)
+    return (beta * s2_0.double() + (1 - beta) * local ** 2,
+            beta * s2w_0.double() + (1 - beta))

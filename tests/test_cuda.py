@@ -30,8 +30,12 @@ from kernel_cases import (
     adamw_f64,
     assert_cast_equal,
     assert_close,
+    check_adams_sparse,
     flat_positions,
     make_scores,
+    noise_ema_f64,
+    random_mask,
+    seeded,
 )
 
 import scape
@@ -61,17 +65,6 @@ def _kernels_by_device(monkeypatch):
     monkeypatch.delenv("SCAPE_KERNELS", raising=False)
 
 
-def _gen(*key) -> torch.Generator:
-    return torch.Generator().manual_seed(zlib.crc32("-".join(map(str, key)).encode()))
-
-
-def _mask(n_blocks: int, block_size: int, k: int, gen: torch.Generator) -> torch.Tensor:
-    """Random sorted distinct offsets per block (CPU int16), the last offset always in."""
-    keys = torch.rand(n_blocks, block_size, generator=gen)
-    keys[:, -1] = 2.0
-    return keys.topk(k, dim=1).indices.sort(dim=1).values.to(torch.int16).contiguous()
-
-
 def _cpu(t: torch.Tensor) -> torch.Tensor:
     torch.cuda.synchronize()
     return t.cpu()
@@ -97,7 +90,7 @@ def test_topk_matches_cpu_bitwise(block_size, n_blocks, k, k_explore, dtype, kin
     n = block_size * n_blocks
     seed = zlib.crc32(f"cuda-topk-{block_size}-{n_blocks}-{k}-{k_explore}-{dtype}-{kind}".encode())
     score = make_scores(kind, n, dtype, seed)
-    age = torch.randint(0, 6, (n,), generator=_gen("age", seed), dtype=torch.int32)
+    age = torch.randint(0, 6, (n,), generator=seeded("age", seed), dtype=torch.int32)
     age_arg = age if k_explore else None
     want = topk_torch.blockwise_topk(score, k, block_size, age=age_arg, k_explore=k_explore)
     s_dev, a_dev = score.to(DEV), age.to(DEV)
@@ -122,9 +115,9 @@ COPY_CASES = [
 
 @pytest.mark.parametrize("block_size,n_blocks,k,src_dtype,out_dtype", COPY_CASES)
 def test_take_gather_scatter_match_cpu(block_size, n_blocks, k, src_dtype, out_dtype):
-    gen = _gen("cuda-copy", block_size, n_blocks, k, src_dtype, out_dtype)
+    gen = seeded("cuda-copy", block_size, n_blocks, k, src_dtype, out_dtype)
     n = n_blocks * block_size
-    idx = _mask(n_blocks, block_size, k, gen)
+    idx = random_mask(n_blocks, block_size, k, gen)
     src = (torch.randn(n, generator=gen) * 3).to(src_dtype)
     residual = torch.randn(n, generator=gen)
     values = torch.randn(n_blocks * k, generator=gen).to(out_dtype)
@@ -163,7 +156,7 @@ def test_take_gather_scatter_match_cpu(block_size, n_blocks, k, src_dtype, out_d
 ])
 @pytest.mark.parametrize("n", [pytest.param((1 << 22) + 777, id="n4M-tail")])
 def test_dense_updates_match_float64(g_dtype, out_dtype, wd, n):
-    gen = _gen("cuda-dense", g_dtype, out_dtype, wd, n)
+    gen = seeded("cuda-dense", g_dtype, out_dtype, wd, n)
     p0 = torch.randn(n, generator=gen)
     m0 = torch.randn(n, generator=gen) * 0.1
     v0 = torch.rand(n, generator=gen) * 0.1
@@ -196,12 +189,9 @@ def test_dense_updates_match_float64(g_dtype, out_dtype, wd, n):
     pytest.param(32768, 8, 328, F32, F16, id="b32768-nb8-k328"),
 ])
 def test_sparse_update_matches_float64(block_size, n_blocks, k, g_dtype, out_dtype, catchup):
-    gen = _gen("cuda-sparse", block_size, n_blocks, k, g_dtype, out_dtype)
+    gen = seeded("cuda-sparse", block_size, n_blocks, k, g_dtype, out_dtype)
     n = n_blocks * block_size
-    idx = _mask(n_blocks, block_size, k, gen)
-    flat = flat_positions(idx, block_size)
-    outside = torch.ones(n, dtype=torch.bool)
-    outside[flat] = False
+    idx = random_mask(n_blocks, block_size, k, gen)
     p0 = torch.randn(n, generator=gen)
     m0 = torch.randn(n, generator=gen) * 0.1
     age0 = torch.randint(0, 200, (n,), generator=gen, dtype=torch.int32)
@@ -210,21 +200,14 @@ def test_sparse_update_matches_float64(block_size, n_blocks, k, g_dtype, out_dty
     out = nan_empty(n_blocks * k, out_dtype, DEV)
     kernels.adams_sparse_(p, m, age, g.to(DEV), idx.to(DEV), block_size, weight_decay=0.1,
                           model_out=out, catchup=catchup, **HP)
-    p, m, age, out = _cpu(p), _cpu(m), _cpu(age), _cpu(out)
-    ep, em = adams_f64(p0[flat], m0[flat], g, HP["lr"], HP["beta1"], HP["beta2"], HP["eps"],
-                       0.1, age=age0[flat], catchup=catchup)
-    assert_close(p[flat], ep, F32, "p at the mask")
-    assert_close(m[flat], em, F32, "m at the mask")
-    assert_cast_equal(out, p[flat], "model_out")
-    assert torch.equal(p[outside], p0[outside]) and torch.equal(m[outside], m0[outside])
-    assert (age[flat] == 0).all()
-    assert torch.equal(age[outside], age0[outside] + 1)
+    after = (_cpu(p), _cpu(m), _cpu(age), _cpu(out))
+    check_adams_sparse((p0, m0, age0), after, g, idx, block_size, HP, 0.1, catchup)
 
 
 @pytest.mark.parametrize("dtype", [F32, BF16, F16], ids=["f32", "bf16", "f16"])
 def test_grad_stats_match_float64(dtype):
     n = (1 << 22) + 333
-    gen = _gen("cuda-stats", dtype)
+    gen = seeded("cuda-stats", dtype)
     x = (torch.randn(n, generator=gen) * 3).to(dtype)
     s = _cpu(kernels.grad_stats(x.to(DEV)))
     assert s.dtype == F32 and s.shape == (2,)
@@ -242,17 +225,16 @@ def test_grad_stats_match_float64(dtype):
 @pytest.mark.parametrize("error_feedback", [True, False], ids=["ef", "no_ef"])
 def test_noise_ema_matches_float64(error_feedback):
     n = (1 << 22) + 99
-    gen = _gen("cuda-noise", error_feedback)
+    gen = seeded("cuda-noise", error_feedback)
     buf, prev0 = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
     age = torch.randint(0, 3, (n,), generator=gen, dtype=torch.int32)
     s2_0, s2w_0 = torch.rand(n, generator=gen), torch.rand(n, generator=gen)
     prev, s2, s2w = prev0.to(DEV, copy=True), s2_0.to(DEV, copy=True), s2w_0.to(DEV, copy=True)
     kernels.noise_ema_(buf.to(DEV), prev, age.to(DEV), s2, s2w, beta=0.95,
                        error_feedback=error_feedback)
-    local = buf.double() - (torch.where(age == 0, 0.0, prev0.double()) if error_feedback
-                            else 0.0)
-    assert_close(_cpu(s2), 0.95 * s2_0.double() + 0.05 * local ** 2, F32, "s2")
-    assert_close(_cpu(s2w), 0.95 * s2w_0.double() + 0.05, F32, "s2w")
+    want_s2, want_s2w = noise_ema_f64(buf, prev0, age, s2_0, s2w_0, 0.95, error_feedback)
+    assert_close(_cpu(s2), want_s2, F32, "s2")
+    assert_close(_cpu(s2w), want_s2w, F32, "s2w")
     assert torch.equal(_cpu(prev), buf)
     # a non-finite entry is no observation: s2 and s2w keep their values there
     s2_1, s2w_1 = _cpu(s2), _cpu(s2w)
@@ -268,7 +250,7 @@ def test_noise_ema_matches_float64(error_feedback):
 @pytest.mark.parametrize("bits", [2, 4, 8])
 def test_pack_unpack_match_cpu_bitwise(bits):
     n, group = 64 * 1000 + 64, 64
-    gen = _gen("cuda-pack", bits)
+    gen = seeded("cuda-pack", bits)
     x = torch.randn(n, generator=gen)
     x[::97] = 0.0
     s = pack_mod.absmax_scales(x, group)

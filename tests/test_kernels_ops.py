@@ -5,8 +5,6 @@ output is pre-filled with NaN so an element the kernel forgot fails."""
 
 from __future__ import annotations
 
-import zlib
-
 import pytest
 import torch
 from conftest import nan_empty
@@ -16,7 +14,11 @@ from kernel_cases import (
     adamw_f64,
     assert_cast_equal,
     assert_close,
+    check_adams_sparse,
     flat_positions,
+    noise_ema_f64,
+    random_mask,
+    seeded,
 )
 
 from scape import kernels
@@ -31,19 +33,6 @@ def backend(request, monkeypatch):
     """Every test runs on both paths of the public API."""
     monkeypatch.setenv("SCAPE_KERNELS", request.param)
     return request.param
-
-
-def _gen(*key) -> torch.Generator:
-    return torch.Generator().manual_seed(zlib.crc32("-".join(map(str, key)).encode()))
-
-
-def _random_mask(n_blocks: int, block_size: int, k: int, gen: torch.Generator) -> torch.Tensor:
-    """Random sorted distinct offsets per block, always including the block's last offset
-    when k > 1 (the int16 / int64 edge)."""
-    keys = torch.rand(n_blocks, block_size, generator=gen)
-    if k > 1:
-        keys[:, -1] = 2.0
-    return keys.topk(k, dim=1).indices.sort(dim=1).values.to(torch.int16).contiguous()
 
 
 def _outside(n: int, flat: torch.Tensor) -> torch.Tensor:
@@ -67,9 +56,9 @@ SPARSE_CASES = [
 
 @pytest.mark.parametrize("block_size,n_blocks,k,src_dtype,out_dtype", SPARSE_CASES)
 def test_take_gather_scatter(backend, block_size, n_blocks, k, src_dtype, out_dtype):
-    gen = _gen("sparse", block_size, n_blocks, k, src_dtype, out_dtype)
+    gen = seeded("sparse", block_size, n_blocks, k, src_dtype, out_dtype)
     n = n_blocks * block_size
-    idx = _random_mask(n_blocks, block_size, k, gen)
+    idx = random_mask(n_blocks, block_size, k, gen)
     flat = flat_positions(idx, block_size)
     outside = _outside(n, flat)
     src = torch.randn(n, generator=gen).to(src_dtype)
@@ -117,7 +106,7 @@ DENSE_CASES = [
 @pytest.mark.parametrize("n", [pytest.param(256, id="n256"), pytest.param(3 * 4096 + 768,
                                                                          id="n13056-tail")])
 def test_adams_dense(backend, g_dtype, out_dtype, wd, n):
-    gen = _gen("adams", g_dtype, out_dtype, wd, n)
+    gen = seeded("adams", g_dtype, out_dtype, wd, n)
     p0 = torch.randn(n, generator=gen)
     m0 = torch.randn(n, generator=gen) * 0.1
     g = torch.randn(n, generator=gen).to(g_dtype)
@@ -140,7 +129,7 @@ def test_adams_dense(backend, g_dtype, out_dtype, wd, n):
 @pytest.mark.parametrize("step", [1, 10])
 def test_adamw_dense(backend, g_dtype, out_dtype, wd, step):
     n = 3 * 4096 + 768
-    gen = _gen("adamw", g_dtype, out_dtype, wd, step)
+    gen = seeded("adamw", g_dtype, out_dtype, wd, step)
     p0 = torch.randn(n, generator=gen)
     m0 = torch.randn(n, generator=gen) * 0.1
     v0 = torch.rand(n, generator=gen) * 0.01
@@ -159,7 +148,7 @@ def test_adamw_dense(backend, g_dtype, out_dtype, wd, step):
 
 def test_adamw_dense_torch_path_is_bitwise_torch_adamw(monkeypatch):
     monkeypatch.setenv("SCAPE_KERNELS", "torch")
-    gen = _gen("adamw-bitwise")
+    gen = seeded("adamw-bitwise")
     n = 4096 + 256
     param = torch.nn.Parameter(torch.randn(n, generator=gen))
     opt = torch.optim.AdamW([param], lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.05,
@@ -187,11 +176,9 @@ SPARSE_UPDATE_CASES = [
 @pytest.mark.parametrize("catchup", [None, 1.0, 0.5], ids=["plain", "catchup", "catchup-sqrt"])
 @pytest.mark.parametrize("block_size,n_blocks,k,g_dtype,out_dtype,wd", SPARSE_UPDATE_CASES)
 def test_adams_sparse(backend, block_size, n_blocks, k, g_dtype, out_dtype, wd, catchup):
-    gen = _gen("adams_sparse", block_size, n_blocks, k, g_dtype, out_dtype, wd)
+    gen = seeded("adams_sparse", block_size, n_blocks, k, g_dtype, out_dtype, wd)
     n = n_blocks * block_size
-    idx = _random_mask(n_blocks, block_size, k, gen)
-    flat = flat_positions(idx, block_size)
-    outside = _outside(n, flat)
+    idx = random_mask(n_blocks, block_size, k, gen)
     p0 = torch.randn(n, generator=gen)
     m0 = torch.randn(n, generator=gen) * 0.1
     age0 = torch.randint(0, 200, (n,), generator=gen, dtype=torch.int32)
@@ -200,21 +187,14 @@ def test_adams_sparse(backend, block_size, n_blocks, k, g_dtype, out_dtype, wd, 
     out = nan_empty(n_blocks * k, out_dtype)
     kernels.adams_sparse_(p, m, age, g, idx, block_size, weight_decay=wd, model_out=out,
                           catchup=catchup, **HP)
-    ep, em = adams_f64(p0[flat], m0[flat], g, HP["lr"], HP["beta1"], HP["beta2"], HP["eps"],
-                       wd, age=age0[flat], catchup=catchup)
-    assert_close(p[flat], ep, F32, "p at the mask")
-    assert_close(m[flat], em, F32, "m at the mask")
-    assert_cast_equal(out, p[flat], "model_out")
-    assert torch.equal(p[outside], p0[outside]) and torch.equal(m[outside], m0[outside])
-    assert (age[flat] == 0).all()
-    assert torch.equal(age[outside], age0[outside] + 1)
+    check_adams_sparse((p0, m0, age0), (p, m, age, out), g, idx, block_size, HP, wd, catchup)
 
 
 @pytest.mark.parametrize("dtype", [F32, BF16, F16], ids=["f32", "bf16", "f16"])
 @pytest.mark.parametrize("n", [pytest.param(256, id="n256"),
                                pytest.param(5 * 4096 + 256, id="n20736-multi-tile")])
 def test_grad_stats(backend, dtype, n):
-    gen = _gen("stats", dtype, n)
+    gen = seeded("stats", dtype, n)
     x = (torch.randn(n, generator=gen) * 3).to(dtype)
     s = kernels.grad_stats(x)
     assert s.dtype == F32 and s.shape == (2,)
@@ -230,7 +210,7 @@ def test_grad_stats(backend, dtype, n):
 
 
 def test_grad_stats_is_deterministic(backend):
-    x = torch.randn(9 * 4096, generator=_gen("stats-det"))
+    x = torch.randn(9 * 4096, generator=seeded("stats-det"))
     a, b = kernels.grad_stats(x), kernels.grad_stats(x)
     assert torch.equal(a, b)
 
@@ -239,7 +219,7 @@ def test_grad_stats_is_deterministic(backend):
 @pytest.mark.parametrize("n", [pytest.param(256, id="n256"),
                                pytest.param(3 * 2048 + 77, id="n6221-tail")])
 def test_noise_ema(backend, n, error_feedback):
-    gen = _gen("noise", n, error_feedback)
+    gen = seeded("noise", n, error_feedback)
     buf = torch.randn(n, generator=gen)
     prev0 = torch.randn(n, generator=gen)
     age = torch.randint(0, 3, (n,), generator=gen, dtype=torch.int32)  # a third synced
@@ -248,10 +228,9 @@ def test_noise_ema(backend, n, error_feedback):
     prev, s2, s2w = prev0.clone(), s2_0.clone(), s2w_0.clone()
     buf_before, age_before = buf.clone(), age.clone()
     kernels.noise_ema_(buf, prev, age, s2, s2w, beta=0.95, error_feedback=error_feedback)
-    local = buf.double() - (torch.where(age == 0, 0.0, prev0.double()) if error_feedback
-                            else 0.0)
-    assert_close(s2, 0.95 * s2_0.double() + 0.05 * local ** 2, F32, "s2")
-    assert_close(s2w, 0.95 * s2w_0.double() + 0.05, F32, "s2w")
+    want_s2, want_s2w = noise_ema_f64(buf, prev0, age, s2_0, s2w_0, 0.95, error_feedback)
+    assert_close(s2, want_s2, F32, "s2")
+    assert_close(s2w, want_s2w, F32, "s2w")
     assert torch.equal(prev, buf), "prev must become buf"
     assert torch.equal(buf, buf_before) and torch.equal(age, age_before), "inputs written"
 
@@ -260,7 +239,7 @@ def test_noise_ema_ignores_non_finite_entries(backend):
     """A NaN or inf in the buffer (a step about to be skipped) is no observation: ``s2`` and
     ``s2w`` keep their values there, the rest update, ``prev`` still becomes ``buf``."""
     n = 2 * 2048 + 5
-    gen = _gen("noise-nonfinite")
+    gen = seeded("noise-nonfinite")
     buf, prev = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
     age = torch.ones(n, dtype=torch.int32)
     s2, s2w = torch.rand(n, generator=gen), torch.rand(n, generator=gen)
