@@ -94,6 +94,9 @@ def run_config(variant: dict[str, Any], w: Workload, world: int) -> RunConfig:
     if w.batch % world:
         raise ValueError(f"the global batch of {w.batch} sequences does not split over "
                          f"{world} ranks; pick a world size that divides it")
+    if variant.get("ramp") and world > 1:
+        raise ValueError(f"{variant['name']}: sparsity-ramp rows run in one process only "
+                         "(bench.runner has no sparsity schedule)")
     if variant.get("transform") and world > 1:
         raise ValueError(f"{variant['name']}: transform-domain rows run in one process only "
                          "(bench.rotate is not wired into bench.runner)")
@@ -124,7 +127,7 @@ def build_optimizer(model: torch.nn.Module, variant: dict[str, Any], w: Workload
 
     kind = variant.get("optimizer", "scape")
     kw = {k: v for k, v in variant.items()
-          if k not in ("name", "optimizer", "lr", "group_sparsity", "transform")}
+          if k not in ("name", "optimizer", "lr", "group_sparsity", "transform", "ramp")}
     groups = param_groups(model, w.weight_decay, variant.get("group_sparsity"))
     rotated = None
     if variant.get("transform"):
@@ -151,10 +154,14 @@ def train(variant: dict[str, Any], w: Workload, corpus: Any, rank: int = 0, worl
     curve, train_curve = [], []
     t0 = time.perf_counter()
     diag: dict[str, float] = {}
-    sent = 0
+    sent = sent_sparse = 0
+    base = [g.get("sparsity", 0.0) for g in opt.param_groups]
+    warm = variant.get("warmup_steps", 0)
     for step in range(w.steps):
-        for g in opt.param_groups:
+        for g, sp in zip(opt.param_groups, base):
             g["lr"] = lr_at(step, schedule)
+            if variant.get("ramp") and sp > 0:
+                g["sparsity"] = ramp_sparsity(variant, sp, step - warm, w.steps)
         loss_acc = 0.0
         for micro in range(w.accum):
             x, y = batch_at(corpus.train, step * w.accum + micro, w.batch, w.seq, w.seed,
@@ -169,6 +176,8 @@ def train(variant: dict[str, Any], w: Workload, corpus: Any, rank: int = 0, worl
         if rotated is not None:
             rotated.pull()
         sent += sum(opt.last_step.bytes.values())
+        if step >= warm:
+            sent_sparse += sum(opt.last_step.bytes.values())
         train_curve.append(loss_acc)
         if (step + 1) % w.eval_every == 0 or step + 1 == w.steps:
             val = eval_loss(model, corpus.val, w.seq, n_seqs=w.eval_seqs)
@@ -181,7 +190,8 @@ def train(variant: dict[str, Any], w: Workload, corpus: Any, rank: int = 0, worl
     return {"variant": variant, "final_val_loss": curve[-1][1], "val_curve": curve,
             "train_loss_last50": sum(train_curve[-50:]) / len(train_curve[-50:]),
             "diagnostics": diag, "bytes_last_step": dict(opt.last_step.bytes),
-            "bytes_per_step": sent / w.steps, "world": 1,
+            "bytes_per_step": sent / w.steps,
+            "bytes_per_sparse_step": sent_sparse / max(1, w.steps - warm), "world": 1,
             "wall_s": time.perf_counter() - t0, "params": num_params(model)}
 
 
@@ -256,6 +266,24 @@ GROUP_RULES = ("catchup_sqrt_accum", "catchup_agree_accum", "catchup_agree_sqrt_
   (:mod:`bench.rotate`: DeMo-style selection of transform coefficients)."""
 
 
+RAMP_RULES = ("catchup_agree_trust4_accum", "catchup_agree_trust2_accum", "catchup_agree_accum",
+              "catchup_sqrt_accum")
+RAMPS = ((0.9, 0.1), (0.9, 0.2), (0.95, 0.2), (0.9, 0.4))
+"""``-ramp<s0>x<f>``: a sparsity warm-up (:func:`scape.sparsity_ramp`) of every sparse group
+from ``s0`` to its own sparsity (a group already at or below ``s0`` stays there) over the
+first ``f * steps`` sparse steps, density falling geometrically."""
+
+
+def ramp_sparsity(variant: dict[str, Any], base: float, sparse_step: int, steps: int) -> float:
+    """A group's sparsity at sparse step ``sparse_step`` (0 = the first after the dense
+    warm-up) of a ``-ramp`` row whose group is built at ``base``."""
+    from scape import sparsity_ramp
+
+    s0, frac = variant["ramp"]
+    return sparsity_ramp(sparse_step, start=min(s0, base), end=base,
+                         ramp_steps=round(frac * steps))
+
+
 def variants(sparsities: list[float], names: list[str] | None,
              warmup: int = 20) -> list[dict[str, Any]]:
     """The ablation rows (their lr is the dense sweep's choice, filled in by ``main``).
@@ -299,6 +327,9 @@ def variants(sparsities: list[float], names: list[str] | None,
                 dict(base, name=f"{rule}-pos0.9@{sp}", update=rule,
                      group_sparsity={"embed": sp, "pos": 0.9}),
             ]
+        for rule in RAMP_RULES:  # hypothesis 11: spend the bytes early
+            rows += [dict(base, name=f"{rule}-ramp{s0:g}x{frac:g}@{sp}", update=rule,
+                          ramp=(s0, frac)) for s0, frac in RAMPS if s0 < sp]
     if names:
         rows = [r for r in rows if r["name"].split("@")[0] in names]
     return rows

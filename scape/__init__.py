@@ -10,9 +10,10 @@ from scape.diloco import DiLoCo
 from scape.io import CheckpointError, load_checkpoint, save_checkpoint
 from scape.optimizer import SCAPE
 from scape.rules import RULES
+from scape.schedules import sparsity_ramp
 from scape.sparseloco import SparseLoCo
 from scape.step_info import StepInfo
 
 __all__ = ["SCAPE", "DistributedAdamW", "RULES", "StepInfo", "SparseLoCo", "DiLoCo",
-           "save_checkpoint", "load_checkpoint", "CheckpointError"]
+           "save_checkpoint", "load_checkpoint", "CheckpointError", "sparsity_ramp"]
 __version__ = "0.1.0"

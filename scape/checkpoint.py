@@ -53,6 +53,15 @@ def _check_structure(opt: Any, sd: dict[str, Any]) -> None:
     if len(sd["param_groups"]) != len(opt.param_groups):
         raise ValueError(f"state dict has {len(sd['param_groups'])} param groups, the "
                          f"optimizer has {len(opt.param_groups)}")
+    for i, (saved, live) in enumerate(zip(sd["param_groups"], opt.param_groups)):
+        if "sparsity" not in live:
+            continue
+        sp = saved.get("sparsity") if isinstance(saved, dict) else None
+        if not isinstance(sp, (int, float)) or isinstance(sp, bool) or not 0.0 <= sp < 1.0 \
+                or (sp > 0) != (live["sparsity"] > 0):
+            raise ValueError(f"param group {i}: saved sparsity {sp!r} does not fit this "
+                             f"optimizer's {live['sparsity']!r} (a sparse group stays sparse "
+                             "and a dense one dense; the value itself is restored, like lr)")
     if len(sd["buckets"]) != len(opt.buckets):
         raise ValueError(f"state dict has {len(sd['buckets'])} buckets (param group x dtype), "
                          f"the optimizer has {len(opt.buckets)}")

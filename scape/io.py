@@ -260,9 +260,13 @@ def validate_state(opt: Any, sd: dict[str, Any], rank: int, manifest: dict[str, 
             config.check_weight_decay(saved.get("weight_decay"))
         except (TypeError, ValueError) as bad:
             raise CheckpointError(f"{where}, param group {i}: {bad}") from bad
-        if saved.get("sparsity") != live.get("sparsity"):
-            raise CheckpointError(f"{where}, param group {i}: sparsity {saved.get('sparsity')}"
-                                  f" != this optimizer's {live.get('sparsity')}")
+        sp = saved.get("sparsity")
+        if "sparsity" in live and (not isinstance(sp, (int, float)) or isinstance(sp, bool)
+                                   or not 0.0 <= sp < 1.0
+                                   or (sp > 0) != (live["sparsity"] > 0)):
+            raise CheckpointError(f"{where}, param group {i}: sparsity {sp!r} does not fit "
+                                  f"this optimizer's {live['sparsity']!r} (a sparse group "
+                                  "stays sparse, a dense one dense)")
     world = manifest["world_size"]
     masks = getattr(opt, "masks", [None] * len(opt.buckets))
     for i, (e, b, s, m) in enumerate(zip(sd["buckets"], opt.buckets, opt.shards, masks)):
@@ -288,7 +292,11 @@ def validate_state(opt: Any, sd: dict[str, Any], rank: int, manifest: dict[str, 
                 continue
             if m is None:
                 raise CheckpointError(f"{at}: has {key} but this bucket is dense")
-            _check_tensor(f"{at}, {key}", mask, torch.int16, (n_pad // opt.block_size, m.k))
+            k = mask.shape[1] if isinstance(mask, torch.Tensor) and mask.dim() == 2 else -1
+            if not 1 <= k <= opt.block_size:
+                raise CheckpointError(f"{at}, {key}: {k} coordinates per block, outside "
+                                      f"[1, {opt.block_size}]")
+            _check_tensor(f"{at}, {key}", mask, torch.int16, (n_pad // opt.block_size, k))
             if bool((mask < 0).any()) or bool((mask >= opt.block_size).any()):
                 raise CheckpointError(f"{at}, {key}: offsets outside [0, {opt.block_size})")
 

@@ -12,6 +12,13 @@ One sparse step t for one bucket (DESIGN §1; the mask ``M_t`` is already on eve
 
 Bytes per rank and sparse step: ``K * (b_g + b_p + 2)`` plus the 8-byte scalar all-reduce,
 with ``K = W * (S / B) * k_b``, ``k_b = max(1, round(density * B))``.
+
+A sparse group's ``sparsity`` may change between steps, like its ``lr`` (a sparsity warm-up,
+:func:`scape.sparsity_ramp`): the mask of step t+1 is made at the end of step t from the
+group's value then, so a value set before ``opt.step()`` number t shapes the masks from step
+t+1 on. A mask carries its own ``k_b``; checkpoints restore the saved value as they restore
+``lr``. A group built dense (``sparsity=0``) stays dense and a sparse one stays sparse: their
+buckets are laid out differently.
 """
 
 from __future__ import annotations
@@ -51,7 +58,7 @@ class _MaskState:
     """Masks of one sparse bucket: the one used last and the next one (maybe in flight)."""
 
     def __init__(self, k: int, k_explore: int, n_blocks: int, n_local: int) -> None:
-        self.k, self.k_explore = k, k_explore
+        self.k, self.k_explore = k, k_explore  # the budget of the next mask made
         self.n_blocks, self.n_local = n_blocks, n_local
         self.current: torch.Tensor | None = None  # mask of the last sparse step [n_blocks, k]
         self.next: torch.Tensor | None = None  # mask for the next sparse step [n_blocks, k]
@@ -170,6 +177,20 @@ class SCAPE(ShardedOptimizer):
                              "sparsity > 0: dense warm-up steps build the first moment that "
                              "the first mask is taken from)")
 
+    def step(self, closure: Any = None) -> float | None:  # type: ignore[override]
+        """One optimizer step (module docstring). A sparse group's ``sparsity`` may have
+        changed since the last step; it is checked first, before anything changes."""
+        for b, m in zip(self.buckets, self.masks):
+            if m is None:
+                continue
+            sp = self.param_groups[b.group]["sparsity"]
+            config.check_sparsity(sp)
+            if sp == 0:
+                raise ValueError(f"Invalid sparsity for param group {b.group}: 0 (a group "
+                                 "built sparse stays sparse: build it with sparsity=0 to "
+                                 "keep it dense)")
+        return super().step(closure)
+
     # ------------------------------------------------------------------ shard state
     def _bucket_align(self, group: dict) -> int:
         return self.block_size if group["sparsity"] > 0 else DENSE_ALIGN
@@ -209,7 +230,8 @@ class SCAPE(ShardedOptimizer):
         mask = self.masks[i]
         if dense or mask is None:
             return self.buckets[i].n_pad
-        return mask.n_blocks * mask.k
+        assert mask.current is not None  # the mask this step used (set by _sparse_update)
+        return mask.current.numel()
 
     # ------------------------------------------------------------------ dense path
     def _dense_update(self, i: int, g: torch.Tensor, hp: dict, model_out: torch.Tensor) -> None:
@@ -242,7 +264,7 @@ class SCAPE(ShardedOptimizer):
                 b.grad_flat.zero_()
                 diag["residual_norm"] = torch.zeros((), device=b.device)
         self._take_bufs[i] = c
-        g = torch.empty(mask_state.n_local * mask_state.k, dtype=self.grad_comm_dtype,
+        g = torch.empty(mask_state.n_local * mask.shape[1], dtype=self.grad_comm_dtype,
                         device=b.device)
         with phase("scape/reduce_scatter", b.device):
             work = self.comm.reduce_scatter(g, c, op="avg")
@@ -289,6 +311,8 @@ class SCAPE(ShardedOptimizer):
             if mask_state is None:
                 continue
             s = self.shards[i]
+            mask_state.k, mask_state.k_explore = block_budget(
+                self.param_groups[b.group]["sparsity"], self.block_size, self.explore)
             with phase("scape/mask", b.device):
                 score = s.m if self.rule.score is None else self.rule.score(s)
                 idx = blockwise_topk(score, mask_state.k, self.block_size,
@@ -329,24 +353,30 @@ class SCAPE(ShardedOptimizer):
                     raise ValueError(f"state dict has no drift state; update={self.update!r} "
                                      "drifts (saved with another update rule?)")
                 d.load(extra, b.numel, b.param_flat)
-        for m, extra in zip(self.masks, extras):
+        for b, m, extra in zip(self.buckets, self.masks, extras):
             if m is None:
                 continue
+            m.k, m.k_explore = block_budget(self.param_groups[b.group]["sparsity"],
+                                            self.block_size, self.explore)
             m.work = None
-            m.next = _fit_mask(extra.get("mask_next"), m)
-            m.current = _fit_mask(extra.get("mask_current"), m)
+            m.next = _fit_mask(extra.get("mask_next"), m, self.block_size)
+            m.current = _fit_mask(extra.get("mask_current"), m, self.block_size)
             m.local = None if m.next is None else \
                 m.next[self.comm.rank * m.n_local:(self.comm.rank + 1) * m.n_local]
 
 
-def _fit_mask(mask: torch.Tensor | None, m: _MaskState) -> torch.Tensor | None:
-    """A saved mask on this world size's block count: extra padding blocks select 0..k-1."""
+def _fit_mask(mask: torch.Tensor | None, m: _MaskState,
+              block_size: int) -> torch.Tensor | None:
+    """A saved mask on this world size's block count: extra padding blocks select 0..k-1.
+    It keeps its own ``k`` (the sparsity it was made at)."""
     if mask is None:
         return None
-    if mask.shape[1] != m.k:
-        raise ValueError(f"checkpoint mask has {mask.shape[1]} coordinates per block; this "
-                         f"optimizer selects {m.k} (sparsity or block_size changed)")
+    k = mask.shape[1]
+    if not 1 <= k <= block_size or bool((mask < 0).any()) or \
+            bool((mask >= block_size).any()):
+        raise ValueError(f"checkpoint mask has {k} coordinates per block with offsets outside "
+                         f"[0, {block_size}) (block_size changed?)")
     if mask.shape[0] >= m.n_blocks:
         return mask[: m.n_blocks].contiguous()
-    pad = torch.arange(m.k, dtype=torch.int16).expand(m.n_blocks - mask.shape[0], m.k)
+    pad = torch.arange(k, dtype=torch.int16).expand(m.n_blocks - mask.shape[0], k)
     return torch.cat([mask, pad.to(mask.device)]).contiguous()

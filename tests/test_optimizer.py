@@ -109,6 +109,9 @@ CONFIGS = {
     "bf16": dict(sparsity=0.9, warmup_steps=2, dtype=torch.bfloat16),
     "set_to_none": dict(sparsity=0.9, warmup_steps=2, set_to_none=True),
     "lazy": dict(sparsity=0.9, warmup_steps=2, update="lazy"),
+    # the group's sparsity changed before every step (a sparsity warm-up and back)
+    "schedule": dict(sparsity=0.9, warmup_steps=2,
+                     schedule=[0.9, 0.9, 0.95, 0.8, 0.99, 0.97, 0.9, 0.9, 0.95]),
 }
 
 
@@ -130,15 +133,16 @@ def _sparse_body(rank, world, names, steps):
         cfg = dict(CONFIGS[name])
         dtype = cfg.pop("dtype", torch.float32)
         set_to_none = cfg.pop("set_to_none", False)
+        schedule = cfg.pop("schedule", None)
         params = _params(3, dtype)
         opt = scape.SCAPE(params, lr=1e-2, block_size=block, **cfg)
         b = opt.buckets[0]
-        k, _ = block_budget(cfg["sparsity"], block, cfg.get("explore", 0.1))
-        K = (b.n_pad // block) * k
         delivered = torch.zeros(b.shard_size, dtype=torch.float64)
         grad_sum = torch.zeros(b.n_pad, dtype=torch.float64)
-        made_mask = None
+        made_mask = made_k = None
         for t in range(1, steps + 1):
+            if schedule is not None:
+                opt.param_groups[0]["sparsity"] = schedule[t - 1]
             before = b.param_flat.clone()
             grads = _grads(t, rank)
             if set_to_none:  # model.zero_grad(set_to_none=True): backward makes new tensors
@@ -164,6 +168,8 @@ def _sparse_body(rank, world, names, steps):
                 assert info.mask_size == b.n_pad
             else:
                 mask = sync["mask"]
+                k = made_k  # the budget of the group's sparsity when the mask was made
+                K = (b.n_pad // block) * k
                 assert mask.shape == (b.n_pad // block, k) and mask.numel() == K
                 assert info.mask_size == K
                 # the mask used at step t is the one computed at the end of step t-1
@@ -171,7 +177,10 @@ def _sparse_body(rank, world, names, steps):
                 flat = _flat_index(mask, block)
                 assert bool(torch.isin(changed, flat).all()), f"{name}: change outside mask"
                 bp = b.param_flat.element_size()
-                expect = {"reduce_scatter": K * 4, "all_gather": K * (bp + 2),
+                k_next, _ = block_budget(opt.param_groups[0]["sparsity"], block,
+                                         cfg.get("explore", 0.1))  # the next mask's budget
+                expect = {"reduce_scatter": K * 4,
+                          "all_gather": K * bp + (b.n_pad // block) * k_next * 2,
                           "all_reduce": 8}
                 if opt.masks[0].next is None:  # next step dense: no mask sync issued
                     expect["all_gather"] = K * bp
@@ -181,6 +190,9 @@ def _sparse_body(rank, world, names, steps):
                 delivered.index_add_(0, local_flat, sync["g"].double())
             pending = opt.masks[0].wait()  # in flight until the next step's take otherwise
             made_mask = None if pending is None else pending.clone()
+            made_k, _ = block_budget(opt.param_groups[0]["sparsity"], block,
+                                     cfg.get("explore", 0.1))
+            assert made_mask is None or made_mask.shape[1] == made_k, (name, t)
         # conservation: sum of residuals + W * delivered == sum of all gradients
         residual = b.grad_flat.double().clone()
         dist.all_reduce(residual)
@@ -233,3 +245,84 @@ def test_loss_falls(world, sparsity):
     for losses in results:
         first, last = sum(losses[:10]) / 10, sum(losses[-10:]) / 10
         assert last < 0.75 * first, f"loss did not fall: {first:.3f} -> {last:.3f}"
+
+
+# ----------------------------------------------------------------------------- sparsity schedule
+def _schedule_run(params, sparsity, steps, rank, opt=None, state=None, first=1):
+    """Steps ``first..steps`` with the group's sparsity set by a ramp before each step; the
+    parameters after each step."""
+    opt = opt or scape.SCAPE(params, lr=1e-2, block_size=256, sparsity=sparsity,
+                             warmup_steps=2)
+    if state is not None:
+        opt.load_state_dict(state)
+    out = []
+    for t in range(first, steps + 1):
+        opt.param_groups[0]["sparsity"] = scape.sparsity_ramp(t - 3, start=0.8, end=0.99,
+                                                              ramp_steps=5)
+        _backward(params, _grads(t, rank))
+        opt.step()
+        opt.zero_grad()
+        out.append(torch.cat([p.detach().reshape(-1) for p in params]).clone())
+    return opt, out
+
+
+def _schedule_resume_body(rank, world):
+    _, straight = _schedule_run(_params(5), 0.8, 10, rank)
+    opt, first = _schedule_run(_params(5), 0.8, 5, rank)
+    state = opt.state_dict()
+    saved_sp = opt.param_groups[0]["sparsity"]
+    params = _params(6)  # other values: the load restores them from the master weights
+    fresh = scape.SCAPE(params, lr=1e-2, block_size=256, sparsity=0.99, warmup_steps=2)
+    _, rest = _schedule_run(params, 0.99, 10, rank, opt=fresh, state=state, first=6)
+    resumed_equal = all(torch.equal(a, b) for a, b in zip(first + rest, straight))
+    # a sparse group cannot become dense, by a checkpoint or by the schedule
+    dense = scape.SCAPE(_params(5), lr=1e-2, block_size=256, sparsity=0.0)
+    before = [p.detach().clone() for g in dense.param_groups for p in g["params"]]
+    try:
+        dense.load_state_dict(state)
+        load_error = ""
+    except ValueError as e:
+        load_error = str(e)
+    unchanged = all(torch.equal(a, p.detach()) for a, p in
+                    zip(before, (p for g in dense.param_groups for p in g["params"])))
+    fresh.param_groups[0]["sparsity"] = 0.0
+    _backward(params, _grads(11, rank))
+    snap, count = [p.detach().clone() for p in params], fresh.step_count
+    try:
+        fresh.step()
+        step_error = ""
+    except ValueError as e:
+        step_error = str(e)
+    step_unchanged = fresh.step_count == count and all(
+        torch.equal(a, p.detach()) for a, p in zip(snap, params))
+    return (resumed_equal, saved_sp, load_error, unchanged, step_error, step_unchanged,
+            straight[-1].isfinite().all().item())
+
+
+def test_sparsity_schedule_resumes_exactly_and_stays_sparse():
+    for (equal, saved_sp, load_error, unchanged, step_error, step_unchanged,
+         finite) in run_ranks(_schedule_resume_body, 2, timeout=180):
+        assert 0.8 < saved_sp < 0.99  # saved mid-ramp, loaded into an optimizer built at 0.99
+        assert equal, "a run resumed mid-ramp differs from the straight run"
+        assert "sparsity" in load_error and unchanged
+        assert "sparsity" in step_error and step_unchanged
+        assert finite
+
+
+def test_sparsity_ramp_values():
+    ramp = [scape.sparsity_ramp(t, start=0.9, end=0.99, ramp_steps=10) for t in range(-2, 14)]
+    assert ramp[:3] == [0.9, 0.9, 0.9] and ramp[12:] == [0.99] * 4
+    dens = torch.tensor([1.0 - s for s in ramp[2:13]], dtype=torch.float64)
+    assert bool((dens[1:] < dens[:-1]).all())  # density falls at every step of the ramp
+    ratios = dens[1:] / dens[:-1]  # geometric: the same factor each step, 10^(-1/10)
+    assert torch.allclose(ratios, torch.full_like(ratios, 10 ** -0.1), rtol=1e-12)
+    from scape.schedules import mean_ramp_density
+    n = 100_000
+    mean = sum(1 - scape.sparsity_ramp(t, start=0.9, end=0.99, ramp_steps=n)
+               for t in range(n)) / n
+    assert abs(mean - mean_ramp_density(0.9, 0.99)) < 1e-5
+    assert scape.sparsity_ramp(5, start=0.9, end=0.99, ramp_steps=0) == 0.99
+    for bad in (dict(start=0.0, end=0.99, ramp_steps=5), dict(start=0.9, end=1.0, ramp_steps=5),
+                dict(start=0.9, end=0.99, ramp_steps=-1)):
+        with pytest.raises(ValueError):
+            scape.sparsity_ramp(3, **bad)
