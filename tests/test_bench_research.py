@@ -259,3 +259,25 @@ def test_lr_stability_table(capsys):
             first, last = (float(v) for v in cell.split(" -> "))
             assert math.isfinite(first) and math.isfinite(last) and first > 0
     assert rows[0][3] == rows[1][3]
+
+
+def test_convergence_ramp_rows():
+    """A ``-ramp`` row changes every sparse group's sparsity per step: it sends more bytes per
+    sparse step than the same row without it, the same once the ramp is over, and refuses
+    the multi-rank runner (which has no schedule)."""
+    from bench.convergence import Workload, run_config, train, variants
+    from bench.data import load_corpus
+
+    names = [v["name"] for v in variants([0.99], ["catchup_agree_trust2_accum-ramp0.9x0.2"])]
+    assert names == ["catchup_agree_trust2_accum-ramp0.9x0.2@0.99"]
+    w = Workload(model="tiny", steps=12, batch=4, seq=64, eval_every=12, eval_seqs=4, threads=1)
+    corpus = load_corpus()
+    base = dict(name="r", sparsity=0.99, warmup_steps=2, explore=0.1, lr=3e-3,
+                update="catchup_sqrt_accum")
+    plain = train(base, w, corpus, log=False)
+    ramp = train(dict(base, ramp=(0.5, 0.5)), w, corpus, log=False)
+    assert ramp["bytes_per_sparse_step"] > 2 * plain["bytes_per_sparse_step"]
+    assert ramp["bytes_last_step"] == plain["bytes_last_step"]
+    assert plain["bytes_per_step"] > plain["bytes_per_sparse_step"]  # dense warm-up steps
+    with pytest.raises(ValueError, match="one process"):
+        run_config(dict(base, ramp=(0.5, 0.5)), w, 2)
