@@ -92,23 +92,24 @@ class SCAPE(ShardedOptimizer):
         explore: fraction of each block's budget chosen by age instead of ``|m|``.
         error_feedback: keep what was not sent in the gradient buffer for later steps.
         update: the sparse-step rule, a key of :data:`scape.rules.RULES`. The default,
-            ``"catchup_agree_trust2_accum"``, selects by accumulated mass ``|m|*(age+1)``
+            ``"catchup_agree_trust4_accum"``, selects by accumulated mass ``|m|*(age+1)``
             and moves a coordinate the number of AdamS steps dense AdamS would have moved in
             the ``age+1`` steps it missed (``(age+1)`` times its expected sign agreement,
             from the owner's local noise estimate), capped at the larger of ``sqrt(age+1)``
-            and ``rms_b / (2 lr)`` (half its block's weight RMS). In the convergence
-            ablation (bench/README.md, hypotheses 10 and 12) it is the best measured rule at
-            0.99 over 2,000 steps (1.12x dense AdamS with every group at 0.99 on 4 seeds;
-            1.00-1.03x on 7 seeds with the embeddings at 0.9), and ties the best at 0.9.
-            It keeps 12 bytes of state per shard coordinate.
-            ``"catchup_agree_trust4_accum"`` (a quarter of the RMS; the previous default)
-            has more headroom at learning rates well above the best one (1.08x against
-            1.15x at 3.3x the best lr) and trains wherever the square-root rule does on the
-            toy sweeps. ``"catchup_sqrt_accum"`` (no extra state, less local compute) moves
-            ``sqrt(age+1)`` steps. For quality at 0.99 over short budgets put the embedding
-            matrices (a tied head among them) in their own group at sparsity 0.9 or 0.95
-            (README, "Give the embeddings their own group"). ``"lazy"`` is DESIGN §1's
-            baseline. A group's ``sparsity`` may change between steps (module docstring).
+            and ``rms_b / (4 lr)`` (a quarter of its block's weight RMS). With every group at
+            0.99 it reaches dense AdamS at 8,000 steps (1.00x; 1.14x at 2,000), ties the best
+            at 0.9, holds up best at 3.3x the tuned lr and trains wherever the square-root
+            rule does on the toy sweeps (bench/README.md, hypotheses 10 and 12). It keeps 12
+            bytes of state per shard coordinate.
+            ``"catchup_agree_trust2_accum"`` (half the RMS) is better over short budgets
+            (1.12x at 2,000 steps on 4 seeds; 1.00-1.03x on 7 seeds with the embedding
+            matrices in their own group at 0.9) and worse over long ones (1.05x at 8,000) or
+            far above the tuned lr. ``"catchup_sqrt_accum"`` (no extra state, less local
+            compute) moves ``sqrt(age+1)`` steps. For quality at 0.99 over short budgets put
+            the embedding matrices (a tied head among them) in their own group at sparsity
+            0.9 or 0.95 (README, "Give the embeddings their own group"). ``"lazy"`` is
+            DESIGN §1's baseline. A group's ``sparsity`` may change between steps (module
+            docstring).
         max_grad_norm: clip the synchronized gradient to this norm (None: no clipping).
         grad_comm_dtype: dtype of gradients on the wire (float32, bfloat16, float16).
         comm: a :class:`scape.comm.Communicator`; default: a ``TorchCommunicator`` on the
@@ -121,7 +122,7 @@ class SCAPE(ShardedOptimizer):
                  eps: float = 1e-8, weight_decay: float = 0.0, sparsity: float = 0.99,
                  block_size: int = 4096, warmup_steps: int = 20, dense_every: int = 0,
                  explore: float = 0.1, error_feedback: bool = True,
-                 update: str = "catchup_agree_trust2_accum",
+                 update: str = "catchup_agree_trust4_accum",
                  max_grad_norm: float | None = None,
                  grad_comm_dtype: torch.dtype = torch.float32,
                  comm: Communicator | None = None) -> None:

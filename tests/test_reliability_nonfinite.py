@@ -70,8 +70,8 @@ def _nonfinite_body(rank, world, update):
     return opt.step_count
 
 
-@pytest.mark.parametrize("update", ["catchup_sqrt_accum", "catchup_agree_trust2_accum"],
-                         ids=["sqrt", "agree_trust2"])
+@pytest.mark.parametrize("update", ["catchup_sqrt_accum", "catchup_agree_trust4_accum"],
+                         ids=["sqrt", "agree_trust4"])
 def test_nonfinite_gradient_skips_on_every_rank(update):
     """Also for a rule with local noise state: one bad gradient must not poison it (a NaN
     kept in ``s2`` would reach the parameters the next time that coordinate is sent)."""
