@@ -250,7 +250,7 @@ def validate_state(opt: Any, sd: dict[str, Any], rank: int, manifest: dict[str, 
     if not isinstance(counters, dict) or not all(isinstance(v, int)
                                                  for v in counters.values()):
         raise CheckpointError(f"{where}: counters must be a dict of ints, got {counters!r}")
-    for i, (saved, live) in enumerate(zip(sd["param_groups"], opt.param_groups)):
+    for i, saved in enumerate(sd["param_groups"]):  # as many as opt has (_check_structure)
         if not isinstance(saved, dict):
             raise CheckpointError(f"{where}: param group {i} is {type(saved).__name__}")
         try:
@@ -260,13 +260,6 @@ def validate_state(opt: Any, sd: dict[str, Any], rank: int, manifest: dict[str, 
             config.check_weight_decay(saved.get("weight_decay"))
         except (TypeError, ValueError) as bad:
             raise CheckpointError(f"{where}, param group {i}: {bad}") from bad
-        sp = saved.get("sparsity")
-        if "sparsity" in live and (not isinstance(sp, (int, float)) or isinstance(sp, bool)
-                                   or not 0.0 <= sp < 1.0
-                                   or (sp > 0) != (live["sparsity"] > 0)):
-            raise CheckpointError(f"{where}, param group {i}: sparsity {sp!r} does not fit "
-                                  f"this optimizer's {live['sparsity']!r} (a sparse group "
-                                  "stays sparse, a dense one dense)")
     world = manifest["world_size"]
     masks = getattr(opt, "masks", [None] * len(opt.buckets))
     for i, (e, b, s, m) in enumerate(zip(sd["buckets"], opt.buckets, opt.shards, masks)):
