@@ -272,6 +272,9 @@ RAMPS = ((0.9, 0.1), (0.9, 0.2), (0.95, 0.2), (0.9, 0.4))
 """``-ramp<s0>x<f>``: a sparsity warm-up (:func:`scape.sparsity_ramp`) of every sparse group
 from ``s0`` to its own sparsity (a group already at or below ``s0`` stays there) over the
 first ``f * steps`` sparse steps, density falling geometrically."""
+SHORT_RAMPS = ((0.5, 0.02), (0.7, 0.02))
+"""Hypothesis 13: a short ramp from a low sparsity in place of most dense warm-up steps (run
+with ``--warmup 2``), on the embedding split (``<rule>-embed<e>-ramp<s0>x<f>``)."""
 
 
 def ramp_sparsity(variant: dict[str, Any], base: float, sparse_step: int, steps: int) -> float:
@@ -330,6 +333,9 @@ def variants(sparsities: list[float], names: list[str] | None,
         for rule in RAMP_RULES:  # hypothesis 11: spend the bytes early
             rows += [dict(base, name=f"{rule}-ramp{s0:g}x{frac:g}@{sp}", update=rule,
                           ramp=(s0, frac)) for s0, frac in RAMPS if s0 < sp]
+            rows += [dict(base, name=f"{rule}-embed{e}-ramp{s0:g}x{frac:g}@{sp}", update=rule,
+                          group_sparsity={"embed": e}, ramp=(s0, frac))
+                     for e in (0.9, 0.95) for s0, frac in SHORT_RAMPS if s0 < min(e, sp)]
     if names:
         rows = [r for r in rows if r["name"].split("@")[0] in names]
     return rows
