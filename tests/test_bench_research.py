@@ -265,7 +265,8 @@ def test_convergence_ramp_rows():
     """A ``-ramp`` row changes every sparse group's sparsity per step: it sends more bytes per
     sparse step than the same row without it, the same once the ramp is over, and refuses
     the multi-rank runner (which has no schedule)."""
-    from bench.convergence import Workload, run_config, train, variants
+    from bench.convergence import Workload, run_config, train
+    from bench.convergence_rows import variants
     from bench.data import load_corpus
 
     names = [v["name"] for v in variants([0.99], ["catchup_agree_trust2_accum-ramp0.9x0.2"])]

@@ -1,0 +1,101 @@
+"""The rows of the convergence ablation (:mod:`bench.convergence`): one dict per variant.
+
+A row is ``<rule>[-<change>]@<sparsity>``: a rule of :data:`scape.rules.RULES` at the default
+schedule, a schedule change (explore, dense warm-up, dense refresh, no error feedback), a
+per-group sparsity (:data:`GROUP_RULES`) or a sparsity warm-up (:data:`RAMP_RULES`). The keys
+are those :func:`bench.convergence.train` reads: ``sparsity``, ``warmup_steps``, ``explore``,
+``update`` and optionally ``group_sparsity``, ``ramp``, ``transform``, ``dense_every``,
+``error_feedback``.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+GROUP_RULES = ("catchup_sqrt_accum", "catchup_agree_accum", "catchup_agree_sqrt_accum",
+               "catchup_agree_cap_accum", "catchup_agree_trust_accum",
+               "catchup_agree_trust2_accum", "catchup_agree_trust4_accum", "catchup_snr_accum",
+               "lazy")
+"""Rules measured with per-group sparsity and in a transform domain:
+
+- ``-embed0.9`` puts the embedding matrices (token, position; the tied head) in their own group
+  at sparsity 0.9 (``-embed0.95``, ``-embed0.97`` likewise); ``-embed0`` keeps them dense;
+- ``-vec0`` keeps the vectors (norms, biases) dense, the embeddings at the row's sparsity;
+- ``-tok0.9`` / ``-pos0.9``: only the token embedding (the tied head) / only the position
+  embedding at 0.9;
+- ``-dct64`` / ``-hadamard128`` train the weight matrices in a transform domain
+  (:mod:`bench.rotate`: DeMo-style selection of transform coefficients)."""
+
+
+RAMP_RULES = ("catchup_agree_trust4_accum", "catchup_agree_trust2_accum", "catchup_agree_accum",
+              "catchup_sqrt_accum")
+RAMPS = ((0.9, 0.1), (0.9, 0.2), (0.95, 0.2), (0.9, 0.4))
+"""``-ramp<s0>x<f>``: a sparsity warm-up (:func:`scape.sparsity_ramp`) of every sparse group
+from ``s0`` to its own sparsity (a group already at or below ``s0`` stays there) over the
+first ``f * steps`` sparse steps, density falling geometrically."""
+SHORT_RAMPS = ((0.5, 0.02), (0.7, 0.02))
+"""Hypothesis 13: a short ramp from a low sparsity in place of most dense warm-up steps (run
+with ``--warmup 2``), on the embedding split (``<rule>-embed<e>-ramp<s0>x<f>``)."""
+
+
+def ramp_sparsity(variant: dict[str, Any], base: float, sparse_step: int, steps: int) -> float:
+    """A group's sparsity at sparse step ``sparse_step`` (0 = the first after the dense
+    warm-up) of a ``-ramp`` row whose group is built at ``base``."""
+    from scape import sparsity_ramp
+
+    s0, frac = variant["ramp"]
+    return sparsity_ramp(sparse_step, start=min(s0, base), end=base,
+                         ramp_steps=round(frac * steps))
+
+
+def variants(sparsities: list[float], names: list[str] | None,
+             warmup: int = 20) -> list[dict[str, Any]]:
+    """The ablation rows (their lr is the dense sweep's choice, filled in by ``main``).
+
+    Per sparsity: every rule of :data:`scape.rules.RULES` at the default schedule, and the
+    schedule variants (explore, warm-up, dense refresh, error feedback off) for both the
+    plain ``lazy`` rule and ``catchup_accum`` (the library's default when those rows were
+    measured; ``catchup_agree_trust4_accum`` is now), the per-group sparsity rows of
+    :data:`GROUP_RULES` and the sparsity warm-up rows of :data:`RAMP_RULES`. A row is named
+    ``<rule>[-<schedule change>]@<sparsity>``.
+    """
+    from scape.rules import RULES
+
+    rows: list[dict[str, Any]] = []
+    for sp in sparsities:
+        base = dict(sparsity=sp, warmup_steps=warmup, explore=0.1)
+        rows += [dict(base, name=f"{rule}@{sp}", update=rule) for rule in RULES]
+        for rule in ("lazy", "catchup_accum"):
+            rows += [
+                dict(base, name=f"{rule}-explore0@{sp}", update=rule, explore=0.0),
+                dict(base, name=f"{rule}-explore0.05@{sp}", update=rule, explore=0.05),
+                dict(base, name=f"{rule}-explore0.2@{sp}", update=rule, explore=0.2),
+                dict(base, name=f"{rule}-warmup10@{sp}", update=rule, warmup_steps=10),
+                dict(base, name=f"{rule}-warmup100@{sp}", update=rule, warmup_steps=100),
+                dict(base, name=f"{rule}-dense_every50@{sp}", update=rule, dense_every=50),
+                dict(base, name=f"{rule}-no_ef@{sp}", update=rule, error_feedback=False),
+            ]
+        for rule in GROUP_RULES:  # where the gap lives: the embedding matrices (tied head)
+            rows += [dict(base, name=f"{rule}-embed{e}@{sp}", update=rule,
+                          group_sparsity={"embed": e}) for e in (0.9, 0.95, 0.97)]
+            rows += [
+                dict(base, name=f"{rule}-embed0@{sp}", update=rule,
+                     group_sparsity={"embed": 0.0}),
+                dict(base, name=f"{rule}-vec0@{sp}", update=rule,
+                     group_sparsity={"embed": sp, "no_decay": 0.0}),
+                dict(base, name=f"{rule}-dct64@{sp}", update=rule, transform=("dct", 64)),
+                dict(base, name=f"{rule}-hadamard128@{sp}", update=rule,
+                     transform=("hadamard", 128)),
+                dict(base, name=f"{rule}-tok0.9@{sp}", update=rule,
+                     group_sparsity={"embed": 0.9, "pos": sp}),
+                dict(base, name=f"{rule}-pos0.9@{sp}", update=rule,
+                     group_sparsity={"embed": sp, "pos": 0.9}),
+            ]
+        for rule in RAMP_RULES:  # hypothesis 11: spend the bytes early
+            rows += [dict(base, name=f"{rule}-ramp{s0:g}x{frac:g}@{sp}", update=rule,
+                          ramp=(s0, frac)) for s0, frac in RAMPS if s0 < sp]
+            rows += [dict(base, name=f"{rule}-embed{e}-ramp{s0:g}x{frac:g}@{sp}", update=rule,
+                          group_sparsity={"embed": e}, ramp=(s0, frac))
+                     for e in (0.9, 0.95) for s0, frac in SHORT_RAMPS if s0 < min(e, sp)]
+    if names:
+        rows = [r for r in rows if r["name"].split("@")[0] in names]
+    return rows
