@@ -65,6 +65,8 @@ from typing import Any
 
 import torch
 
+from bench.comm_timing import DDPCounter, timed_communicator
+
 OPTIMIZERS = ("adamw_ddp", "dist_adamw", "adams", "scape", "topk", "compute_only",
               "sparseloco", "diloco")  # the last two: bench.local_sgd_opts
 """Values of ``RunConfig.optimizer``."""
@@ -230,110 +232,6 @@ def lr_at(step: int, cfg: RunConfig) -> float:
     return cfg.lr * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * t)))
 
 
-# --------------------------------------------------------------------------- communication
-def _timed_communicator(inner: Any) -> Any:
-    """``inner`` behind a wrapper that adds the seconds spent in ``Work.wait()`` to
-    ``.wait_s``. Collectives, byte counters and step tags are the inner communicator's."""
-    from scape.comm import Communicator, Work
-
-    class TimedWork(Work):
-        def __init__(self, owner: Any, work: Any) -> None:
-            self._owner, self._work = owner, work
-
-        def wait(self) -> None:
-            t0 = time.perf_counter()
-            try:
-                self._work.wait()
-            finally:
-                self._owner.wait_s += time.perf_counter() - t0
-
-        def is_completed(self) -> bool:
-            return bool(self._work.is_completed())
-
-    class TimedCommunicator(Communicator):
-        def __init__(self) -> None:
-            self.inner = inner
-            self.rank, self.world_size, self.device = inner.rank, inner.world_size, inner.device
-            self.wait_s = 0.0
-
-        @property
-        def stats(self) -> Any:
-            return self.inner.stats
-
-        def _reducible_dtypes(self) -> tuple[torch.dtype, ...]:
-            return self.inner._reducible_dtypes()  # type: ignore[no-any-return]
-
-        def reset_stats(self) -> None:
-            self.inner.reset_stats()
-
-        def set_step(self, step: int | None) -> None:
-            self.inner.set_step(step)
-
-        def all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> Work:
-            return TimedWork(self, self.inner.all_gather(out, inp))
-
-        def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, op: str = "avg") -> Work:
-            return TimedWork(self, self.inner.reduce_scatter(out, inp, op))
-
-        def all_reduce(self, t: torch.Tensor, op: str = "sum") -> Work:
-            return TimedWork(self, self.inner.all_reduce(t, op))
-
-        def broadcast(self, t: torch.Tensor, src: int) -> Work:
-            return TimedWork(self, self.inner.broadcast(t, src))
-
-        def barrier(self) -> None:
-            t0 = time.perf_counter()
-            try:
-                self.inner.barrier()
-            finally:
-                self.wait_s += time.perf_counter() - t0
-
-    return TimedCommunicator()
-
-
-class _DDPCounter:
-    """Bytes and all-reduce time of DDP's gradient buckets, through a comm hook.
-
-    ``wait_s`` is the length of the union of the buckets' launch-to-completion intervals
-    (buckets overlap each other, so their durations do not add up).
-    """
-
-    def __init__(self, world: int) -> None:
-        self.world = world
-        self.bytes = 0
-        self.calls = 0
-        self.intervals: list[tuple[float, float]] = []
-
-    @property
-    def wait_s(self) -> float:
-        total, end = 0.0, float("-inf")
-        for a, b in sorted(self.intervals):
-            if b > end:
-                total += b - max(a, end)
-                end = b
-        return total
-
-    @property
-    def stats(self) -> dict[str, dict[str, int]]:
-        return {"all_reduce": {"calls": self.calls, "bytes": self.bytes}}
-
-    def hook(self, state, bucket):  # type: ignore[no-untyped-def]  # DDP checks annotations
-        import torch.distributed as dist
-
-        buf = bucket.buffer()
-        self.calls += 1
-        self.bytes += 2 * buf.numel() * buf.element_size()  # ring: reduce-scatter + all-gather
-        buf.div_(self.world)
-        t0 = time.perf_counter()
-        fut = dist.all_reduce(buf, async_op=True).get_future()
-
-        def done(f: Any) -> torch.Tensor:
-            self.intervals.append((t0, time.perf_counter()))
-            return f.value()[0]
-
-        return fut.then(done)
-
-
 # --------------------------------------------------------------------------- one rank
 def _build(cfg: RunConfig, rank: int, world: int) -> tuple[Any, Any, Any, torch.nn.Module]:
     """``(model_to_call, optimizer, counter, module)``: counter has ``stats`` and ``wait_s``."""
@@ -347,7 +245,7 @@ def _build(cfg: RunConfig, rank: int, world: int) -> tuple[Any, Any, Any, torch.
     if cfg.optimizer == "adamw_ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
 
-        counter = _DDPCounter(world)
+        counter = DDPCounter(world)
         ddp = DDP(module)
         ddp.register_comm_hook(None, counter.hook)
         adamw = torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=1e-8)
@@ -355,11 +253,11 @@ def _build(cfg: RunConfig, rank: int, world: int) -> tuple[Any, Any, Any, torch.
     if cfg.optimizer == "compute_only":
         from bench.nullcomm import NullCommunicator
 
-        comm = _timed_communicator(NullCommunicator(world, rank))
+        comm = timed_communicator(NullCommunicator(world, rank))
     else:
         from scape.comm import TorchCommunicator
 
-        comm = _timed_communicator(TorchCommunicator(timeout=cfg.timeout_s))
+        comm = timed_communicator(TorchCommunicator(timeout=cfg.timeout_s))
     kw = dict(cfg.optimizer_kwargs)
     opt: Any
     if cfg.optimizer in ("sparseloco", "diloco"):
