@@ -8,7 +8,9 @@ A pre-norm decoder: learned token and position embeddings, ``n_layers`` blocks o
 The head is tied to the token embedding (GPT-2's choice). With a vocabulary of 256 the head
 would add only ``256*d`` parameters, so tying changes little in size; it keeps the parameter
 layout to one embedding matrix, which lands in the no-decay group of :func:`param_groups`
-(the optimizer may keep that group dense).
+(the optimizer may keep that group dense). ``GPTConfig(tie_head=False)`` (the
+``small-untied`` preset) gives the head its own matrix, a weight matrix like the blocks'
+(decayed); the quality research uses it to tell the input embedding from the output head.
 
 Initialisation is deterministic from a seed alone: every parameter is drawn from a private
 ``torch.Generator`` in ``named_parameters()`` order, so the global RNG state does not matter
@@ -53,6 +55,8 @@ class GPTConfig:
     """Biases in the linear layers and LayerNorm shifts."""
     vocab_size: int = VOCAB_SIZE
     """Byte-level vocabulary."""
+    tie_head: bool = True
+    """The output head shares the token embedding's matrix; ``False``: its own matrix."""
 
     def __post_init__(self) -> None:
         for name in ("d_model", "n_layers", "n_heads", "seq_len", "mlp_ratio", "vocab_size"):
@@ -64,6 +68,8 @@ class GPTConfig:
                              f"and d_model={self.d_model}")
         if self.norm not in ("layernorm", "rmsnorm"):
             raise ValueError(f"GPTConfig.norm must be 'layernorm' or 'rmsnorm', got {self.norm!r}")
+        if not isinstance(self.tie_head, bool):
+            raise ValueError(f"GPTConfig.tie_head must be a bool, got {self.tie_head!r}")
 
 
 PRESETS: dict[str, GPTConfig] = {
@@ -71,6 +77,8 @@ PRESETS: dict[str, GPTConfig] = {
     "tiny": GPTConfig(d_model=64, n_layers=2, n_heads=2, seq_len=64),
     # ~0.84M parameters: the default workload of the benchmarks.
     "small": GPTConfig(d_model=128, n_layers=4, n_heads=4, seq_len=128),
+    # The same with an untied head (+32,768 parameters): which end of the model needs bytes.
+    "small-untied": GPTConfig(d_model=128, n_layers=4, n_heads=4, seq_len=128, tie_head=False),
     # ~3.2M parameters: a larger run when time allows.
     "base": GPTConfig(d_model=256, n_layers=4, n_heads=8, seq_len=256),
     # ~303M parameters: GPT-2-medium's (GPT-345M's) shape with the byte vocabulary, for
@@ -146,7 +154,8 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layers))
         self.norm_f = _norm(config)
         self.head = nn.Linear(config.d_model, config.vocab_size, bias=False)
-        self.head.weight = self.tok_emb.weight  # tied
+        if config.tie_head:
+            self.head.weight = self.tok_emb.weight
         self.reset_parameters(seed)
 
     @torch.no_grad()
@@ -186,9 +195,9 @@ def num_params(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
-GROUP_NAMES = ("decay", "no_decay", "embed", "pos")
-"""The groups :func:`param_groups` can make (``embed`` and ``pos`` only when given a
-sparsity)."""
+GROUP_NAMES = ("decay", "no_decay", "embed", "pos", "head")
+"""The groups :func:`param_groups` can make (``embed``, ``pos`` and ``head`` only when given
+a sparsity)."""
 
 
 def check_group_sparsity(sparsity: dict[str, float] | None) -> dict[str, float]:
@@ -218,7 +227,9 @@ def param_groups(model: nn.Module, weight_decay: float,
     (groups not named keep the optimizer's). Naming ``"embed"`` makes a group ``embed`` (weight
     decay 0) of the embedding matrices (token and position; the tied head), which then leave
     ``no_decay`` to the vectors; naming ``"pos"`` as well takes the position embedding out of
-    ``embed`` into a group ``pos``. The quality research found the 99%-sparsity gap of this
+    ``embed`` into a group ``pos``. Naming ``"head"`` takes an untied output head (a model with
+    a ``head`` ``nn.Linear`` whose weight is not an embedding's) out of ``decay`` into a group
+    ``head``, still decayed. The quality research found the 99%-sparsity gap of this
     workload concentrated in the embedding matrices (bench/README.md, "Where the gap lives").
     """
     if not isinstance(weight_decay, (int, float)) or weight_decay < 0:
@@ -230,12 +241,21 @@ def param_groups(model: nn.Module, weight_decay: float,
         raise ValueError("sparsity: 'pos' needs a model with a learned position embedding "
                          "(a pos_emb nn.Embedding)")
     pos = {id(pos_emb.weight)} if "pos" in sparsity else set()
+    head_mod = getattr(model, "head", None)
+    if "head" in sparsity and (not isinstance(head_mod, nn.Linear)
+                               or id(head_mod.weight) in embeddings):
+        raise ValueError("sparsity: 'head' needs a model with an untied output head (a head "
+                         "nn.Linear whose weight is not an embedding's; GPTConfig(tie_head="
+                         "False))")
+    head = {id(head_mod.weight)} if "head" in sparsity else set()
     split = "embed" in sparsity
-    decay, no_decay, embed, pos_group = [], [], [], []
+    decay, no_decay, embed, pos_group, head_group = [], [], [], [], []
     for p in model.parameters():  # a tied parameter is yielded once
         if not p.requires_grad:
             continue
-        if p.ndim >= 2 and id(p) not in embeddings:
+        if id(p) in head:
+            head_group.append(p)
+        elif p.ndim >= 2 and id(p) not in embeddings:
             decay.append(p)
         elif id(p) in pos:
             pos_group.append(p)
@@ -251,6 +271,8 @@ def param_groups(model: nn.Module, weight_decay: float,
         groups.append({"name": "embed", "params": embed, "weight_decay": 0.0})
     if pos:
         groups.append({"name": "pos", "params": pos_group, "weight_decay": 0.0})
+    if head:
+        groups.append({"name": "head", "params": head_group, "weight_decay": float(weight_decay)})
     for g in groups:
         if g["name"] in sparsity:
             g["sparsity"] = float(sparsity[g["name"]])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 
 import pytest
@@ -127,6 +128,38 @@ def test_param_groups_embed_group(embed_sparsity):
                 {"head": 0.9}):
         with pytest.raises(ValueError, match="sparsity"):
             gpt.param_groups(model, 0.1, bad)
+
+
+def test_untied_head_and_its_group():
+    """``tie_head=False`` gives the head its own matrix (drawn after every tied parameter, so
+    the rest of the model starts where the tied one does); ``sparsity={"head": s}`` moves it
+    out of ``decay`` into a decayed group of its own."""
+    cfg = gpt.GPTConfig(d_model=32, n_layers=2, n_heads=2, seq_len=16)
+    untied_cfg = gpt.GPTConfig(d_model=32, n_layers=2, n_heads=2, seq_len=16, tie_head=False)
+    tied, untied = gpt.GPT(cfg, seed=3), gpt.GPT(untied_cfg, seed=3)
+    assert untied.head.weight is not untied.tok_emb.weight
+    assert gpt.num_params(untied) == gpt.num_params(tied) + 256 * 32
+    t_named = dict(tied.named_parameters())
+    for name, p in untied.named_parameters():
+        if name != "head.weight":
+            assert torch.equal(p, t_named[name]), name
+    assert not torch.equal(untied.head.weight, untied.tok_emb.weight)
+    x = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    assert torch.isfinite(untied.loss(x, x))
+    two = gpt.param_groups(untied, 0.1)
+    assert id(untied.head.weight) in {id(p) for p in two[0]["params"]}  # a matrix like the blocks'
+    three = gpt.param_groups(untied, 0.1, {"head": 0.9})
+    assert [(g["name"], g.get("sparsity"), g["weight_decay"]) for g in three] == \
+        [("decay", None, 0.1), ("no_decay", None, 0.0), ("head", 0.9, 0.1)]
+    assert [id(p) for p in three[2]["params"]] == [id(untied.head.weight)]
+    assert {id(p) for g in three for p in g["params"]} == {id(p) for p in untied.parameters()}
+    assert sum(len(g["params"]) for g in three) == len(list(untied.parameters()))
+    with pytest.raises(ValueError, match="untied output head"):
+        gpt.param_groups(tied, 0.1, {"head": 0.9})
+    with pytest.raises(ValueError, match="tie_head"):
+        gpt.GPTConfig(tie_head=1)  # type: ignore[arg-type]
+    assert gpt.get_config("small-untied") == dataclasses.replace(gpt.get_config("small"),
+                                                                 tie_head=False)
 
 
 def test_config_validation():
