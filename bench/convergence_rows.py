@@ -23,7 +23,7 @@ GROUP_RULES = ("catchup_sqrt_accum", "catchup_agree_accum", "catchup_agree_sqrt_
 - ``-tok0.9`` / ``-pos0.9``: only the token embedding (the tied head) / only the position
   embedding at 0.9;
 - ``-head0.9``: only an untied output head at 0.9 (``--model small-untied``, where ``-tok0.9``
-  is the input token embedding alone);
+  is the input token embedding alone); ``-tokhead0.9``: both;
 - ``-dct64`` / ``-hadamard128`` train the weight matrices in a transform domain
   (:mod:`bench.rotate`: DeMo-style selection of transform coefficients)."""
 
@@ -93,6 +93,8 @@ def variants(sparsities: list[float], names: list[str] | None,
                      group_sparsity={"embed": sp, "pos": 0.9}),
                 dict(base, name=f"{rule}-head0.9@{sp}", update=rule,
                      group_sparsity={"head": 0.9}),
+                dict(base, name=f"{rule}-tokhead0.9@{sp}", update=rule,
+                     group_sparsity={"embed": 0.9, "pos": sp, "head": 0.9}),
             ]
         for rule in RAMP_RULES:  # hypothesis 11: spend the bytes early
             rows += [dict(base, name=f"{rule}-ramp{s0:g}x{frac:g}@{sp}", update=rule,

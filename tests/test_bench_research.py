@@ -284,6 +284,8 @@ def test_convergence_ramp_rows():
         run_config(dict(base, ramp=(0.5, 0.5)), w, 2)
     (head,) = variants([0.99], ["catchup_agree_trust2_accum-head0.9"])
     assert head["group_sparsity"] == {"head": 0.9}
+    (both,) = variants([0.99], ["catchup_agree_trust2_accum-tokhead0.9"])
+    assert both["group_sparsity"] == {"embed": 0.9, "pos": 0.99, "head": 0.9}
     # a ramp on the embedding split: the embeddings ramp down to their own 0.9, the rest to 0.99
     (row,) = variants([0.99], ["catchup_agree_trust2_accum-embed0.9-ramp0.5x0.02"])
     assert row["group_sparsity"] == {"embed": 0.9} and row["ramp"] == (0.5, 0.02)
