@@ -183,6 +183,10 @@ class RunConfig:
         if seq > PRESETS[self.model].seq_len:
             raise ValueError(f"RunConfig.seq must be <= the {self.model} preset's seq_len "
                              f"{PRESETS[self.model].seq_len}, got {seq}")
+        if self.group_sparsity and "head" in self.group_sparsity and PRESETS[self.model].tie_head:
+            raise ValueError(f"RunConfig.group_sparsity: group 'head' needs an untied model "
+                             f"(e.g. small-untied); the {self.model} preset ties its head to "
+                             f"the token embedding")
 
     @property
     def seq_len(self) -> int:

@@ -142,7 +142,9 @@ def test_topk_baseline_validation():
     pytest.param("seq", 4096, "seq must be <= the small preset's seq_len 128", id="seq"),
     pytest.param("model", "huge", "model must be one of", id="model"),
     pytest.param("timing_skip", 100, r"timing_skip must be in \[0, steps=100\)", id="skip"),
-    pytest.param("group_sparsity", {"head": 0.9}, "unknown group 'head'", id="group-name"),
+    pytest.param("group_sparsity", {"lm_head": 0.9}, "unknown group 'lm_head'", id="group-name"),
+    pytest.param("group_sparsity", {"head": 0.9}, "group 'head' needs an untied model",
+                 id="group-head-tied"),
     pytest.param("group_sparsity", {"embed": 1.0}, r"sparsity\['embed'\] must be in \[0, 1\)",
                  id="group-value"),
 ])
