@@ -52,7 +52,7 @@ from typing import Any
 
 import torch
 
-from bench.convergence_rows import ramp_sparsity, variants
+from bench.convergence_rows import Allotment, ramp_sparsity, variants
 from bench.data import batch_at, eval_loss, load_corpus
 from bench.gpt import GPT, get_config, num_params, param_groups
 from bench.local_sgd_opts import LOCAL_SGD, parse_local_name, sync_warning
@@ -98,11 +98,14 @@ def run_config(variant: dict[str, Any], w: Workload, world: int) -> RunConfig:
     if variant.get("ramp") and world > 1:
         raise ValueError(f"{variant['name']}: sparsity-ramp rows run in one process only "
                          "(bench.runner has no sparsity schedule)")
+    if variant.get("allot") and world > 1:
+        raise ValueError(f"{variant['name']}: automatic-split rows run in one process only "
+                         "(bench.runner has no sparsity schedule)")
     if variant.get("transform") and world > 1:
         raise ValueError(f"{variant['name']}: transform-domain rows run in one process only "
                          "(bench.rotate is not wired into bench.runner)")
     kw = {k: v for k, v in variant.items()
-          if k not in ("name", "optimizer", "lr", "sparsity", "group_sparsity")}
+          if k not in ("name", "optimizer", "lr", "sparsity", "group_sparsity", "allot")}
     kind, sparsity, eval_every = variant.get("optimizer"), variant.get("sparsity", 0.0), \
         w.eval_every
     if kind in LOCAL_SGD:
@@ -128,7 +131,8 @@ def build_optimizer(model: torch.nn.Module, variant: dict[str, Any], w: Workload
 
     kind = variant.get("optimizer", "scape")
     kw = {k: v for k, v in variant.items()
-          if k not in ("name", "optimizer", "lr", "group_sparsity", "transform", "ramp")}
+          if k not in ("name", "optimizer", "lr", "group_sparsity", "transform", "ramp",
+                       "allot")}
     groups = param_groups(model, w.weight_decay, variant.get("group_sparsity"))
     rotated = None
     if variant.get("transform"):
@@ -158,11 +162,14 @@ def train(variant: dict[str, Any], w: Workload, corpus: Any, rank: int = 0, worl
     sent = sent_sparse = 0
     base = [g.get("sparsity", 0.0) for g in opt.param_groups]
     warm = variant.get("warmup_steps", 0)
+    split = Allotment(opt, variant, w.steps) if variant.get("allot") else None
     for step in range(w.steps):
         for g, sp in zip(opt.param_groups, base):
             g["lr"] = lr_at(step, schedule)
             if variant.get("ramp") and sp > 0:
                 g["sparsity"] = ramp_sparsity(variant, sp, step - warm, w.steps)
+        if split is not None and step >= warm:
+            split(step - warm)
         loss_acc = 0.0
         for micro in range(w.accum):
             x, y = batch_at(corpus.train, step * w.accum + micro, w.batch, w.seq, w.seed,
@@ -193,7 +200,8 @@ def train(variant: dict[str, Any], w: Workload, corpus: Any, rank: int = 0, worl
             "diagnostics": diag, "bytes_last_step": dict(opt.last_step.bytes),
             "bytes_per_step": sent / w.steps,
             "bytes_per_sparse_step": sent_sparse / max(1, w.steps - warm), "world": 1,
-            "wall_s": time.perf_counter() - t0, "params": num_params(model)}
+            "wall_s": time.perf_counter() - t0, "params": num_params(model),
+            **({"allot_history": split.history} if split is not None else {})}
 
 
 LOCAL_ROWS = ("sparseloco-h8-d0.01", "sparseloco-h8-d0.03", "sparseloco-h32-d0.01",

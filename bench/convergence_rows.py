@@ -4,7 +4,7 @@ A row is ``<rule>[-<change>]@<sparsity>``: a rule of :data:`scape.rules.RULES` a
 schedule, a schedule change (explore, dense warm-up, dense refresh, no error feedback), a
 per-group sparsity (:data:`GROUP_RULES`) or a sparsity warm-up (:data:`RAMP_RULES`). The keys
 are those :func:`bench.convergence.train` reads: ``sparsity``, ``warmup_steps``, ``explore``,
-``update`` and optionally ``group_sparsity``, ``ramp``, ``transform``, ``dense_every``,
+``update`` and optionally ``group_sparsity``, ``ramp``, ``allot``, ``transform``, ``dense_every``,
 ``error_feedback``.
 """
 from __future__ import annotations
@@ -38,6 +38,14 @@ SHORT_RAMPS = ((0.5, 0.02), (0.7, 0.02))
 """Hypothesis 13: a short ramp from a low sparsity in place of most dense warm-up steps (run
 with ``--warmup 2``), on the embedding split (``<rule>-embed<e>-ramp<s0>x<f>``)."""
 
+AUTO_RULES = ("catchup_agree_trust2_accum", "catchup_agree_trust4_accum")
+AUTO_POWERS = (1.0, 2.0)
+"""``-auto<p>``: every group (the embeddings and the position embedding in groups of their
+own) at the row's sparsity overall, split by :func:`scape.allot.allot` with ``power=p`` from
+the groups' mean sign agreement, measured at the first sparse step and every 100 after
+(``allot=(power, every)``); ``-auto<p>-ramp<s0>x<f>`` ramps the overall sparsity as
+:data:`SHORT_RAMPS` and splits it the same way."""
+
 
 def ramp_sparsity(variant: dict[str, Any], base: float, sparse_step: int, steps: int) -> float:
     """A group's sparsity at sparse step ``sparse_step`` (0 = the first after the dense
@@ -47,6 +55,35 @@ def ramp_sparsity(variant: dict[str, Any], base: float, sparse_step: int, steps:
     s0, frac = variant["ramp"]
     return sparsity_ramp(sparse_step, start=min(s0, base), end=base,
                          ramp_steps=round(frac * steps))
+
+
+class Allotment:
+    """The automatic split of an ``-auto`` row, called once per sparse step (0 = the first):
+    re-measures the groups' agreement every ``every`` sparse steps and writes the split of
+    the overall sparsity (ramped on a ``-ramp`` row) into the groups. ``history`` keeps
+    ``(sparse_step, agreement, sparsity)`` at each measurement."""
+
+    def __init__(self, opt: Any, variant: dict[str, Any], steps: int) -> None:
+        from scape import allot
+
+        self.allot, self.opt, self.variant, self.steps = allot, opt, variant, steps
+        self.power, self.every = variant["allot"]
+        self.numels = allot.group_numels(opt)
+        self.agreement: dict[int, float] = {}
+        self.history: list[tuple[int, dict[int, float], dict[int, float]]] = []
+
+    def __call__(self, sparse_step: int) -> None:
+        overall = self.variant["sparsity"]
+        if self.variant.get("ramp"):
+            overall = ramp_sparsity(self.variant, overall, sparse_step, self.steps)
+        measure = sparse_step % self.every == 0
+        if measure:
+            self.agreement = self.allot.group_agreement(self.opt)
+        split = self.allot.allot(self.agreement, self.numels, overall, self.opt.block_size,
+                                 power=self.power)
+        self.allot.apply_allotment(self.opt, split)
+        if measure:
+            self.history.append((sparse_step, dict(self.agreement), split))
 
 
 def variants(sparsities: list[float], names: list[str] | None,
@@ -102,6 +139,12 @@ def variants(sparsities: list[float], names: list[str] | None,
             rows += [dict(base, name=f"{rule}-embed{e}-ramp{s0:g}x{frac:g}@{sp}", update=rule,
                           group_sparsity={"embed": e}, ramp=(s0, frac))
                      for e in (0.9, 0.95) for s0, frac in SHORT_RAMPS if s0 < min(e, sp)]
+        for rule in AUTO_RULES:  # hypothesis 16: the split of hypothesis 14, measured
+            for power in AUTO_POWERS:
+                auto = dict(base, name=f"{rule}-auto{power:g}@{sp}", update=rule,
+                            group_sparsity={"embed": sp, "pos": sp}, allot=(power, 100))
+                rows += [auto] + [dict(auto, name=f"{rule}-auto{power:g}-ramp{s0:g}x{f:g}@{sp}",
+                                       ramp=(s0, f)) for s0, f in SHORT_RAMPS if s0 < sp]
     if names:
         rows = [r for r in rows if r["name"].split("@")[0] in names]
     return rows

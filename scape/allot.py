@@ -1,0 +1,139 @@
+"""Automatic per-group sparsity: one overall budget, allotted by where the signal is.
+
+A hand-set split (the embedding matrices at 0.95, the rest at 0.9925: 99% of all coordinates
+per step) closes more than half of the 99%-sparsity gap of the bundled workload at unchanged
+bytes (bench/README.md, hypothesis 14). This module sets such a split from a measured signal
+instead of by name (hypothesis 16).
+
+**The signal.** The noise-sized rules (``catchup_snr_accum``, the ``catchup_agree*`` rules)
+keep, per coordinate of the shard a rank owns, the EMA of its own gradient's square; with the
+first moment ``m`` that gives the per-step noise ``sigma^2 = (s2 - m^2) / W`` of the global
+mean and the *sign agreement* ``erf(|m| / (sigma_m sqrt 2))``, ``sigma_m^2 = sigma^2 (1 -
+beta1) / (1 + beta1)``: the fraction of its steps dense AdamS would move the coordinate the
+same way (the quantity :func:`scape.rules.catchup_agree` sizes its catch-up by). A
+coordinate that agrees near 1 drifts steadily and loses progress for every step it waits; one
+near 0 only jitters. ``m`` of a coordinate not sent lately is the value of its last sync.
+
+**The allotment.** Group ``g`` (``n_g`` coordinates, mean agreement ``A_g``) gets density
+``d_g = lam * A_g^power``, with ``lam`` such that ``sum n_g d_g = (1 - sparsity) * sum n_g``:
+the same coordinates per step in total as every group at ``sparsity`` (the same bytes, up to
+each block's rounding). ``d_g`` is kept in ``[1 / block_size, max_density]``; what a clipped
+group cannot take goes to the others (water-filling). ``power = 0`` is every group at
+``sparsity``; a larger power favours the agreeing groups more.
+
+    weights = None
+    for t in range(steps):
+        if t >= warmup and (t - warmup) % 100 == 0:
+            weights = group_agreement(opt)        # one all-reduce of 2 floats per group
+        if weights is not None:
+            apply_allotment(opt, allot(weights, group_numels(opt), 0.99, opt.block_size))
+        ...; opt.step()
+
+Only groups built sparse take part (a group built with ``sparsity=0`` stays dense and out of
+the budget). Every rank computes the same split from the all-reduced means, so masks stay
+consistent across ranks. The all-reduce is not hidden behind compute: run it every few
+hundred steps, not every step.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from scape import config
+from scape.rules import NOISE_STATE
+
+
+def _sparse_groups(opt) -> list[int]:
+    return sorted({b.group for b, m in zip(opt.buckets, opt.masks) if m is not None})
+
+
+def group_numels(opt) -> dict[int, int]:
+    """Coordinates (padding excluded) of each sparse param group of a :class:`scape.SCAPE`."""
+    out: dict[int, int] = {}
+    for b, m in zip(opt.buckets, opt.masks):
+        if m is not None:
+            out[b.group] = out.get(b.group, 0) + b.numel
+    return out
+
+
+def group_agreement(opt) -> dict[int, float]:
+    """Mean sign agreement (module docstring) of each sparse param group over all ranks.
+
+    One ``all_reduce`` (sum) of two floats per sparse group; every rank gets the same values.
+    Needs a rule that keeps the local noise (``scape.rules.NOISE_STATE``)."""
+    if not opt.shards or any(k not in opt.shards[0].extra for k in NOISE_STATE):
+        raise ValueError(f"group_agreement needs a rule that keeps the local noise estimate "
+                         f"(a noise-sized rule such as 'catchup_agree_trust4_accum'), got "
+                         f"update={opt.update!r}")
+    groups = _sparse_groups(opt)
+    if not groups:
+        raise ValueError("group_agreement: the optimizer has no sparse param group")
+    device = opt.buckets[0].device
+    sums = torch.zeros(2 * len(groups), dtype=torch.float64, device=device)
+    world = opt.comm.world_size
+    for b, m, s in zip(opt.buckets, opt.masks, opt.shards):
+        if m is None:
+            continue
+        valid = min(max(b.numel - b.shard_start, 0), b.shard_size)  # this rank's real coords
+        if valid == 0:
+            continue
+        beta1 = opt.param_groups[b.group]["betas"][0]
+        mom = s.m[:valid]
+        s2 = s.extra["s2"][:valid] / s.extra["s2w"][:valid].clamp(min=1e-12)
+        sigma_m2 = (s2 - mom.square()).clamp_(min=0.0).div_(world) \
+            .mul_((1.0 - beta1) / (1.0 + beta1)).add_(1e-30)
+        agree = torch.special.erf(mom.abs().div_(sigma_m2.mul_(2.0).sqrt_()))
+        j = groups.index(b.group)
+        sums[2 * j] += agree.sum(dtype=torch.float64)
+        sums[2 * j + 1] += valid
+    if world > 1:
+        opt.comm.all_reduce(sums, op="sum").wait()
+    return {g: float(sums[2 * j] / sums[2 * j + 1]) if sums[2 * j + 1] > 0 else 0.0
+            for j, g in enumerate(groups)}
+
+
+def allot(agreement: dict[int, float], numels: dict[int, int], sparsity: float,
+          block_size: int, power: float = 1.0, max_density: float = 0.5) -> dict[int, float]:
+    """Per-group sparsity for an overall ``sparsity`` (module docstring).
+
+    ``agreement`` and ``numels`` are keyed alike (group index or name). Returns the sparsity of
+    each group; ``sum n_g (1 - s_g) == (1 - sparsity) * sum n_g`` unless every group is
+    clipped."""
+    config.check_sparsity(sparsity)
+    if sparsity == 0.0:
+        raise ValueError("allot: sparsity must be > 0 (a sparse budget to split)")
+    if set(agreement) != set(numels) or not numels:
+        raise ValueError(f"allot: agreement and numels must name the same groups, got "
+                         f"{sorted(map(str, agreement))} and {sorted(map(str, numels))}")
+    if not (isinstance(power, (int, float)) and math.isfinite(power) and power >= 0):
+        raise ValueError(f"allot: power must be a finite float >= 0, got {power!r}")
+    lo = 1.0 / block_size
+    if not lo <= 1.0 - sparsity <= max_density < 1.0:
+        raise ValueError(f"allot: need 1/block_size <= 1 - sparsity <= max_density < 1, got "
+                         f"density {1.0 - sparsity!r}, max_density {max_density!r}")
+    for g, a in agreement.items():
+        if not (math.isfinite(a) and 0.0 <= a <= 1.0):
+            raise ValueError(f"allot: agreement[{g!r}] must be in [0, 1], got {a!r}")
+    weight = {g: max(agreement[g], 1e-6) ** power for g in numels}
+    budget = (1.0 - sparsity) * sum(numels.values())
+    density: dict = {}
+    free = set(numels)
+    while free:  # water-filling: fix the clipped groups, share the rest again
+        left = budget - sum(numels[g] * density[g] for g in density)
+        lam = left / sum(numels[g] * weight[g] for g in free)
+        clipped = {g for g in free if not lo <= lam * weight[g] <= max_density}
+        if not clipped:
+            density.update({g: lam * weight[g] for g in free})
+            break
+        for g in clipped:
+            density[g] = lo if lam * weight[g] < lo else max_density
+        free -= clipped
+    return {g: 1.0 - density[g] for g in numels}
+
+
+def apply_allotment(opt, sparsity: dict[int, float]) -> None:
+    """Write per-group sparsity (from :func:`allot`) into ``opt.param_groups``."""
+    for g, sp in sparsity.items():
+        opt.param_groups[g]["sparsity"] = float(sp)
