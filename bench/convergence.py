@@ -179,6 +179,8 @@ def train(variant: dict[str, Any], w: Workload, corpus: Any, rank: int = 0, worl
             loss_acc += float(loss.detach())
         if rotated is not None:
             rotated.push_grads()
+        if split is not None:
+            split.observe()
         opt.step()
         opt.zero_grad()
         if rotated is not None:

@@ -40,11 +40,14 @@ with ``--warmup 2``), on the embedding split (``<rule>-embed<e>-ramp<s0>x<f>``).
 
 AUTO_RULES = ("catchup_agree_trust2_accum", "catchup_agree_trust4_accum")
 AUTO_POWERS = (1.0, 2.0)
+FRESH_POWERS = (1.0, 2.0, 3.0)
 """``-auto<p>``: every group (the embeddings and the position embedding in groups of their
 own) at the row's sparsity overall, split by :func:`scape.allot.allot` with ``power=p`` from
-the groups' mean sign agreement, measured at the first sparse step and every 100 after
-(``allot=(power, every)``); ``-auto<p>-ramp<s0>x<f>`` ramps the overall sparsity as
-:data:`SHORT_RAMPS` and splits it the same way."""
+the groups' mean sign agreement read from ``m`` (:func:`scape.allot.group_agreement`),
+measured at the first sparse step and every 100 after (``allot=(power, every, "m")``);
+``-autof<p>`` reads it from a fresh gradient mean instead (:class:`scape.allot.AgreementMeter`,
+``"fresh"``); ``-auto<p>-ramp<s0>x<f>`` ramps the overall sparsity as :data:`SHORT_RAMPS`
+and splits it the same way."""
 
 
 def ramp_sparsity(variant: dict[str, Any], base: float, sparse_step: int, steps: int) -> float:
@@ -67,10 +70,16 @@ class Allotment:
         from scape import allot
 
         self.allot, self.opt, self.variant, self.steps = allot, opt, variant, steps
-        self.power, self.every = variant["allot"]
+        self.power, self.every, source = variant["allot"]
+        self.meter = allot.AgreementMeter(opt) if source == "fresh" else None
         self.numels = allot.group_numels(opt)
         self.agreement: dict[int, float] = {}
         self.history: list[tuple[int, dict[int, float], dict[int, float]]] = []
+
+    def observe(self) -> None:
+        """After the backward pass, before ``opt.step()`` (every step, warm-up included)."""
+        if self.meter is not None:
+            self.meter.observe()
 
     def __call__(self, sparse_step: int) -> None:
         overall = self.variant["sparsity"]
@@ -78,7 +87,8 @@ class Allotment:
             overall = ramp_sparsity(self.variant, overall, sparse_step, self.steps)
         measure = sparse_step % self.every == 0
         if measure:
-            self.agreement = self.allot.group_agreement(self.opt)
+            self.agreement = self.allot.group_agreement(self.opt) if self.meter is None \
+                else self.meter.agreement()
         split = self.allot.allot(self.agreement, self.numels, overall, self.opt.block_size,
                                  power=self.power)
         self.allot.apply_allotment(self.opt, split)
@@ -140,10 +150,12 @@ def variants(sparsities: list[float], names: list[str] | None,
                           group_sparsity={"embed": e}, ramp=(s0, frac))
                      for e in (0.9, 0.95) for s0, frac in SHORT_RAMPS if s0 < min(e, sp)]
         for rule in AUTO_RULES:  # hypothesis 16: the split of hypothesis 14, measured
-            for power in AUTO_POWERS:
-                auto = dict(base, name=f"{rule}-auto{power:g}@{sp}", update=rule,
-                            group_sparsity={"embed": sp, "pos": sp}, allot=(power, 100))
-                rows += [auto] + [dict(auto, name=f"{rule}-auto{power:g}-ramp{s0:g}x{f:g}@{sp}",
+            for power, source in [(p, "m") for p in AUTO_POWERS] + \
+                    [(p, "fresh") for p in FRESH_POWERS]:
+                tag = "auto" if source == "m" else "autof"
+                auto = dict(base, name=f"{rule}-{tag}{power:g}@{sp}", update=rule,
+                            group_sparsity={"embed": sp, "pos": sp}, allot=(power, 100, source))
+                rows += [auto] + [dict(auto, name=f"{rule}-{tag}{power:g}-ramp{s0:g}x{f:g}@{sp}",
                                        ramp=(s0, f)) for s0, f in SHORT_RAMPS if s0 < sp]
     if names:
         rows = [r for r in rows if r["name"].split("@")[0] in names]

@@ -42,7 +42,7 @@ import math
 import torch
 
 from scape import config
-from scape.rules import NOISE_STATE
+from scape.rules import NOISE_BETA, NOISE_STATE
 
 
 def _sparse_groups(opt) -> list[int]:
@@ -67,26 +67,92 @@ def group_agreement(opt) -> dict[int, float]:
         raise ValueError(f"group_agreement needs a rule that keeps the local noise estimate "
                          f"(a noise-sized rule such as 'catchup_agree_trust4_accum'), got "
                          f"update={opt.update!r}")
+
+    def stale(b, s, _, valid, beta1, world):
+        mom = s.m[:valid]
+        s2 = s.extra["s2"][:valid] / s.extra["s2w"][:valid].clamp(min=1e-12)
+        var_m = (s2 - mom.square()).clamp_(min=0.0).div_(world) \
+            .mul_((1.0 - beta1) / (1.0 + beta1)).add_(1e-30)
+        return torch.special.erf(mom.abs().div_(var_m.mul_(2.0).sqrt_()))
+    return _reduce(opt, stale, [None] * len(opt.buckets))
+
+
+class AgreementMeter:
+    """Fresh sign agreement per sparse group, free of the staleness of ``m``.
+
+    :func:`group_agreement` reads ``m``, which for a coordinate not sent lately is the value
+    of its last sync: the sparser a group, the staler its ``m`` and the lower its measured
+    agreement, so a split taken from it feeds on itself (bench/README.md, hypothesis 16). The
+    meter keeps, per shard coordinate, the EMA ``mu`` of the owner's own per-step gradient
+    (the same ``beta`` as the rule's ``s2``: 4 more bytes per shard coordinate and one pass
+    per step) and estimates the signal as ``mu^2 - var (1 - beta) / (1 + beta)`` (the EMA's
+    own noise removed, ``var = s2 - mu^2``), so pure noise reads near 0 and a steady gradient
+    near 1, whatever the group's sparsity.
+
+    Call :meth:`observe` after the backward pass and before ``opt.step()`` on every step,
+    dense warm-up steps included; :meth:`agreement` then returns what
+    :func:`group_agreement` does (one all-reduce of two floats per sparse group)."""
+
+    def __init__(self, opt, beta: float | None = None) -> None:
+        if not opt.shards or any(k not in opt.shards[0].extra for k in NOISE_STATE):
+            raise ValueError(f"AgreementMeter needs a rule that keeps the local noise "
+                             f"estimate (a noise-sized rule such as "
+                             f"'catchup_agree_trust4_accum'), got update={opt.update!r}")
+        self.opt = opt
+        self.beta = NOISE_BETA if beta is None else beta
+        config.check_fraction("beta", self.beta)
+        if self.beta == 1.0:
+            raise ValueError("Invalid beta: 1.0 (expected a float in [0, 1): the EMA must move)")
+        self.mu = [torch.zeros_like(s.m) if m is not None else None
+                   for s, m in zip(opt.shards, opt.masks)]
+        self.weight = 0.0
+
+    def observe(self) -> None:
+        """Fold this step's gradient at the shard into the EMA (before ``opt.step()``)."""
+        opt = self.opt
+        for b, s, mu in zip(opt.buckets, opt.shards, self.mu):
+            if mu is None:
+                continue
+            b.fold_stray_grads()  # a .grad the user replaced (step() would fold it later)
+            g = b.grad_flat[b.shard]
+            if opt.error_feedback:  # the buffer also holds the residual: the rule's ``prev``
+                g = g - torch.where(s.age == 0, 0.0, s.extra["prev"])
+            mu.mul_(self.beta).add_(g, alpha=1.0 - self.beta)
+        self.weight = self.beta * self.weight + (1.0 - self.beta)
+
+    def agreement(self) -> dict[int, float]:
+        if self.weight == 0.0:
+            raise RuntimeError("AgreementMeter.agreement: observe() has not run yet")
+        opt = self.opt
+        shrink = (1.0 - self.beta) / (1.0 + self.beta)
+
+        def fresh(b, s, mu, valid, beta1, world):
+            mean = mu[:valid] / self.weight
+            s2 = s.extra["s2"][:valid] / s.extra["s2w"][:valid].clamp(min=1e-12)
+            var = (s2 - mean.square()).clamp_(min=0.0)
+            mu2 = (mean.square() - var * shrink).clamp_(min=0.0)
+            var_m = var.div_(world).mul_((1.0 - beta1) / (1.0 + beta1)).add_(1e-30)
+            return torch.special.erf(mu2.div_(var_m.mul_(2.0)).sqrt_())
+        return _reduce(opt, fresh, self.mu)
+
+
+def _reduce(opt, per_coord, extra) -> dict[int, float]:
+    """Mean over all ranks' real coordinates of ``per_coord(...)`` per sparse group."""
     groups = _sparse_groups(opt)
     if not groups:
-        raise ValueError("group_agreement: the optimizer has no sparse param group")
+        raise ValueError("the optimizer has no sparse param group")
     device = opt.buckets[0].device
     sums = torch.zeros(2 * len(groups), dtype=torch.float64, device=device)
     world = opt.comm.world_size
-    for b, m, s in zip(opt.buckets, opt.masks, opt.shards):
+    for b, m, s, x in zip(opt.buckets, opt.masks, opt.shards, extra):
         if m is None:
             continue
         valid = min(max(b.numel - b.shard_start, 0), b.shard_size)  # this rank's real coords
         if valid == 0:
             continue
         beta1 = opt.param_groups[b.group]["betas"][0]
-        mom = s.m[:valid]
-        s2 = s.extra["s2"][:valid] / s.extra["s2w"][:valid].clamp(min=1e-12)
-        sigma_m2 = (s2 - mom.square()).clamp_(min=0.0).div_(world) \
-            .mul_((1.0 - beta1) / (1.0 + beta1)).add_(1e-30)
-        agree = torch.special.erf(mom.abs().div_(sigma_m2.mul_(2.0).sqrt_()))
         j = groups.index(b.group)
-        sums[2 * j] += agree.sum(dtype=torch.float64)
+        sums[2 * j] += per_coord(b, s, x, valid, beta1, world).sum(dtype=torch.float64)
         sums[2 * j + 1] += valid
     if world > 1:
         opt.comm.all_reduce(sums, op="sum").wait()

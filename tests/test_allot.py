@@ -144,3 +144,35 @@ def test_group_agreement_is_global_and_the_same_on_every_rank():
     for g, ref in res[0]["ref"].items():
         assert res[0]["got"][g] == pytest.approx(ref, abs=1e-5)
     assert res[0]["got"][0] > 0.9 > res[0]["got"][1]
+
+
+@pytest.mark.parametrize("sparse_steps", [0, 30])
+def test_agreement_meter_tells_signal_from_noise(sparse_steps):
+    """Fresh agreement: near 1 for a steady gradient, near 0 for noise, dense steps or sparse
+    (where ``m`` of unsent coordinates goes stale and the meter must not)."""
+    opt, steady, noisy, vec = _two_param_opt()
+    meter = al.AgreementMeter(opt)
+    with pytest.raises(RuntimeError, match="observe"):
+        meter.agreement()
+    g = torch.Generator().manual_seed(2)
+    direction = torch.randn(steady.numel(), generator=g)
+    for _ in range(30 + sparse_steps):  # 30 dense warm-up steps, then sparse ones
+        steady.grad = direction.clone()
+        noisy.grad = torch.randn(noisy.numel(), generator=g)
+        vec.grad = torch.randn(vec.numel(), generator=g)
+        meter.observe()
+        opt.step()
+    assert opt.last_step.dense == (sparse_steps == 0)
+    a = meter.agreement()
+    assert set(a) == {0, 1}
+    assert a[0] > 0.95
+    assert a[1] < 0.3  # the EMA's own noise is taken out: pure noise reads low
+
+
+def test_agreement_meter_rejects_bad_input():
+    opt, *_ = _two_param_opt(update="catchup_sqrt_accum")
+    with pytest.raises(ValueError, match="keeps the local noise estimate"):
+        al.AgreementMeter(opt)
+    opt, *_ = _two_param_opt()
+    with pytest.raises(ValueError, match="beta"):
+        al.AgreementMeter(opt, beta=1.0)

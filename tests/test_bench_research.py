@@ -307,22 +307,25 @@ def test_convergence_auto_rows():
     from bench.data import load_corpus
 
     (row,) = variants([0.99], ["catchup_agree_trust2_accum-auto2"])
-    assert row["allot"] == (2.0, 100) and row["group_sparsity"] == {"embed": 0.99, "pos": 0.99}
+    assert row["allot"] == (2.0, 100, "m") and row["group_sparsity"] == {"embed": 0.99, "pos": 0.99}
     (ramped,) = variants([0.99], ["catchup_agree_trust4_accum-auto1-ramp0.5x0.02"])
-    assert ramped["allot"] == (1.0, 100) and ramped["ramp"] == (0.5, 0.02)
+    assert ramped["allot"] == (1.0, 100, "m") and ramped["ramp"] == (0.5, 0.02)
+    (fresh,) = variants([0.99], ["catchup_agree_trust2_accum-autof3"])
+    assert fresh["allot"] == (3.0, 100, "fresh")
     w = Workload(model="tiny", steps=14, batch=4, seq=64, eval_every=14, eval_seqs=4, threads=1)
     corpus = load_corpus()
     base = dict(name="a", sparsity=0.9, warmup_steps=2, explore=0.1, lr=3e-3,
                 update="catchup_agree_trust2_accum",
                 group_sparsity={"embed": 0.9, "pos": 0.9})
-    auto = train(dict(base, allot=(2.0, 5)), w, corpus, log=False)
-    steps = [h[0] for h in auto["allot_history"]]
-    assert steps == [0, 5, 10]
-    for _, agreement, split in auto["allot_history"]:
+    auto = train(dict(base, allot=(2.0, 5, "m")), w, corpus, log=False)
+    fresh = train(dict(base, allot=(2.0, 5, "fresh")), w, corpus, log=False)
+    assert [h[0] for h in auto["allot_history"]] == [0, 5, 10]
+    assert [h[0] for h in fresh["allot_history"]] == [0, 5, 10]
+    for _, agreement, split in auto["allot_history"] + fresh["allot_history"]:
         assert set(agreement) == set(split) and len(split) == 4
         assert all(0.0 <= a <= 1.0 for a in agreement.values())
         most = max(agreement, key=agreement.__getitem__)
         least = min(agreement, key=agreement.__getitem__)
         assert split[most] < 0.9 < split[least]
     with pytest.raises(ValueError, match="one process"):
-        run_config(dict(base, allot=(2.0, 5)), w, 2)
+        run_config(dict(base, allot=(2.0, 5, "m")), w, 2)
