@@ -60,6 +60,13 @@ def _sparse_groups(opt) -> list[int]:
     return sorted({b.group for b, m in zip(opt.buckets, opt.masks) if m is not None})
 
 
+def _check_noise_state(opt, who: str) -> None:
+    if not opt.shards or any(k not in opt.shards[0].extra for k in NOISE_STATE):
+        raise ValueError(f"{who} needs a rule that keeps the local noise estimate (a "
+                         f"noise-sized rule such as 'catchup_agree_trust4_accum'), got "
+                         f"update={opt.update!r}")
+
+
 def group_numels(opt) -> dict[int, int]:
     """Coordinates (padding excluded) of each sparse param group of a :class:`scape.SCAPE`."""
     out: dict[int, int] = {}
@@ -74,10 +81,7 @@ def group_agreement(opt) -> dict[int, float]:
 
     One ``all_reduce`` (sum) of two floats per sparse group; every rank gets the same values.
     Needs a rule that keeps the local noise (``scape.rules.NOISE_STATE``)."""
-    if not opt.shards or any(k not in opt.shards[0].extra for k in NOISE_STATE):
-        raise ValueError(f"group_agreement needs a rule that keeps the local noise estimate "
-                         f"(a noise-sized rule such as 'catchup_agree_trust4_accum'), got "
-                         f"update={opt.update!r}")
+    _check_noise_state(opt, "group_agreement")
 
     def stale(b, s, _, valid, beta1, world):
         mom = s.m[:valid]
@@ -102,13 +106,13 @@ class AgreementMeter:
 
     Call :meth:`observe` after the backward pass and before ``opt.step()`` on every step,
     dense warm-up steps included; :meth:`agreement` then returns what
-    :func:`group_agreement` does (one all-reduce of two floats per sparse group)."""
+    :func:`group_agreement` does (one all-reduce of two floats per sparse group). A
+    non-finite gradient entry is left out, as the rule's ``s2`` leaves it out. The meter's
+    EMA is not part of the optimizer's ``state_dict``: after a resume it starts again (its
+    first readings, taken over fewer steps, are noisier)."""
 
     def __init__(self, opt, beta: float | None = None) -> None:
-        if not opt.shards or any(k not in opt.shards[0].extra for k in NOISE_STATE):
-            raise ValueError(f"AgreementMeter needs a rule that keeps the local noise "
-                             f"estimate (a noise-sized rule such as "
-                             f"'catchup_agree_trust4_accum'), got update={opt.update!r}")
+        _check_noise_state(opt, "AgreementMeter")
         self.opt = opt
         self.beta = NOISE_BETA if beta is None else beta
         config.check_fraction("beta", self.beta)
@@ -128,7 +132,9 @@ class AgreementMeter:
             g = b.grad_flat[b.shard]
             if opt.error_feedback:  # the buffer also holds the residual: the rule's ``prev``
                 g = g - torch.where(s.age == 0, 0.0, s.extra["prev"])
-            mu.mul_(self.beta).add_(g, alpha=1.0 - self.beta)
+            # a non-finite entry (a step about to be skipped) leaves the coordinate as it was
+            moved = mu.mul(self.beta).add_(g, alpha=1.0 - self.beta)
+            mu.copy_(torch.where(torch.isfinite(g), moved, mu))
         self.weight = self.beta * self.weight + (1.0 - self.beta)
 
     def agreement(self) -> dict[int, float]:

@@ -176,3 +176,21 @@ def test_agreement_meter_rejects_bad_input():
     opt, *_ = _two_param_opt()
     with pytest.raises(ValueError, match="beta"):
         al.AgreementMeter(opt, beta=1.0)
+
+
+def test_agreement_meter_leaves_a_non_finite_step_out():
+    opt, steady, noisy, vec = _two_param_opt()
+    meter = al.AgreementMeter(opt)
+    g = torch.Generator().manual_seed(3)
+    direction = torch.randn(steady.numel(), generator=g)
+    for step in range(30):
+        steady.grad = direction.clone()
+        if step == 20:
+            steady.grad[7] = float("nan")  # the step is skipped on every rank
+        noisy.grad = torch.randn(noisy.numel(), generator=g)
+        vec.grad = torch.randn(vec.numel(), generator=g)
+        meter.observe()
+        opt.step()
+    assert all(bool(torch.isfinite(mu).all()) for mu in meter.mu if mu is not None)
+    a = meter.agreement()
+    assert a[0] > 0.95 and a[1] < 0.3
