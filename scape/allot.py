@@ -56,10 +56,6 @@ from scape import config
 from scape.rules import NOISE_BETA, NOISE_STATE
 
 
-def _sparse_groups(opt) -> list[int]:
-    return sorted({b.group for b, m in zip(opt.buckets, opt.masks) if m is not None})
-
-
 def _check_noise_state(opt, who: str) -> None:
     if not opt.shards or any(k not in opt.shards[0].extra for k in NOISE_STATE):
         raise ValueError(f"{who} needs a rule that keeps the local noise estimate (a "
@@ -155,7 +151,7 @@ class AgreementMeter:
 
 def _reduce(opt, per_coord, extra) -> dict[int, float]:
     """Mean over all ranks' real coordinates of ``per_coord(...)`` per sparse group."""
-    groups = _sparse_groups(opt)
+    groups = sorted(group_numels(opt))
     if not groups:
         raise ValueError("the optimizer has no sparse param group")
     device = opt.buckets[0].device
