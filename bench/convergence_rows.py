@@ -41,12 +41,15 @@ with ``--warmup 2``), on the embedding split (``<rule>-embed<e>-ramp<s0>x<f>``).
 AUTO_RULES = ("catchup_agree_trust2_accum", "catchup_agree_trust4_accum")
 AUTO_POWERS = (1.0, 2.0)
 FRESH_POWERS = (1.0, 2.0, 3.0)
+GAIN_POWERS = (1.0, 1.5, 2.0)
 """``-auto<p>``: every group (the embeddings and the position embedding in groups of their
 own) at the row's sparsity overall, split by :func:`scape.allot.allot` with ``power=p`` from
 the groups' mean sign agreement read from ``m`` (:func:`scape.allot.group_agreement`),
 measured at the first sparse step and every 100 after (``allot=(power, every, "m")``);
 ``-autof<p>`` reads it from a fresh gradient mean instead (:class:`scape.allot.AgreementMeter`,
-``"fresh"``); ``-auto<p>-ramp<s0>x<f>`` ramps the overall sparsity as :data:`SHORT_RAMPS`
+``"fresh"``); ``-autog<p>`` splits by the groups' expected loss decrease per step from the
+same meter (:meth:`scape.allot.AgreementMeter.gain`, ``"gain"``: hypothesis 17, at
+:data:`GAIN_POWERS`); ``-auto<p>-ramp<s0>x<f>`` ramps the overall sparsity as :data:`SHORT_RAMPS`
 and splits it the same way."""
 
 
@@ -62,18 +65,19 @@ def ramp_sparsity(variant: dict[str, Any], base: float, sparse_step: int, steps:
 
 class Allotment:
     """The automatic split of an ``-auto`` row, called once per sparse step (0 = the first):
-    re-measures the groups' agreement every ``every`` sparse steps and writes the split of
-    the overall sparsity (ramped on a ``-ramp`` row) into the groups. ``history`` keeps
-    ``(sparse_step, agreement, sparsity)`` at each measurement."""
+    re-measures the groups' signal (agreement, or gain on an ``-autog`` row) every ``every``
+    sparse steps and writes the split of the overall sparsity (ramped on a ``-ramp`` row) into
+    the groups. ``history`` keeps ``(sparse_step, signal, sparsity)`` at each measurement."""
 
     def __init__(self, opt: Any, variant: dict[str, Any], steps: int) -> None:
         from scape import allot
 
         self.allot, self.opt, self.variant, self.steps = allot, opt, variant, steps
         self.power, self.every, source = variant["allot"]
-        self.meter = allot.AgreementMeter(opt) if source == "fresh" else None
+        self.source = source
+        self.meter = allot.AgreementMeter(opt) if source in ("fresh", "gain") else None
         self.numels = allot.group_numels(opt)
-        self.agreement: dict[int, float] = {}
+        self.signal: dict[int, float] = {}
         self.history: list[tuple[int, dict[int, float], dict[int, float]]] = []
 
     def observe(self) -> None:
@@ -87,13 +91,13 @@ class Allotment:
             overall = ramp_sparsity(self.variant, overall, sparse_step, self.steps)
         measure = sparse_step % self.every == 0
         if measure:
-            self.agreement = self.allot.group_agreement(self.opt) if self.meter is None \
-                else self.meter.agreement()
-        split = self.allot.allot(self.agreement, self.numels, overall, self.opt.block_size,
+            self.signal = self.allot.group_agreement(self.opt) if self.meter is None \
+                else self.meter.gain() if self.source == "gain" else self.meter.agreement()
+        split = self.allot.allot(self.signal, self.numels, overall, self.opt.block_size,
                                  power=self.power)
         self.allot.apply_allotment(self.opt, split)
         if measure:
-            self.history.append((sparse_step, dict(self.agreement), split))
+            self.history.append((sparse_step, dict(self.signal), split))
 
 
 def variants(sparsities: list[float], names: list[str] | None,
@@ -151,8 +155,8 @@ def variants(sparsities: list[float], names: list[str] | None,
                      for e in (0.9, 0.95) for s0, frac in SHORT_RAMPS if s0 < min(e, sp)]
         for rule in AUTO_RULES:  # hypothesis 16: the split of hypothesis 14, measured
             for power, source in [(p, "m") for p in AUTO_POWERS] + \
-                    [(p, "fresh") for p in FRESH_POWERS]:
-                tag = "auto" if source == "m" else "autof"
+                    [(p, "fresh") for p in FRESH_POWERS] + [(p, "gain") for p in GAIN_POWERS]:
+                tag = {"m": "auto", "fresh": "autof", "gain": "autog"}[source]
                 auto = dict(base, name=f"{rule}-{tag}{power:g}@{sp}", update=rule,
                             group_sparsity={"embed": sp, "pos": sp}, allot=(power, 100, source))
                 rows += [auto] + [dict(auto, name=f"{rule}-{tag}{power:g}-ramp{s0:g}x{f:g}@{sp}",

@@ -133,20 +133,39 @@ class AgreementMeter:
             mu.copy_(torch.where(torch.isfinite(g), moved, mu))
         self.weight = self.beta * self.weight + (1.0 - self.beta)
 
-    def agreement(self) -> dict[int, float]:
-        if self.weight == 0.0:
-            raise RuntimeError("AgreementMeter.agreement: observe() has not run yet")
-        opt = self.opt
+    def _moments(self, s, mu, valid) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per coordinate: the squared gradient mean with the EMA's own noise removed, and
+        the per-rank gradient variance."""
+        mean = mu[:valid] / self.weight
+        s2 = s.extra["s2"][:valid] / s.extra["s2w"][:valid].clamp(min=1e-12)
+        var = (s2 - mean.square()).clamp_(min=0.0)
         shrink = (1.0 - self.beta) / (1.0 + self.beta)
+        return (mean.square() - var * shrink).clamp_(min=0.0), var
 
+    def agreement(self) -> dict[int, float]:
+        """Mean fresh sign agreement of each sparse group (all ranks)."""
         def fresh(b, s, mu, valid, beta1, world):
-            mean = mu[:valid] / self.weight
-            s2 = s.extra["s2"][:valid] / s.extra["s2w"][:valid].clamp(min=1e-12)
-            var = (s2 - mean.square()).clamp_(min=0.0)
-            mu2 = (mean.square() - var * shrink).clamp_(min=0.0)
+            mu2, var = self._moments(s, mu, valid)
             var_m = var.div_(world).mul_((1.0 - beta1) / (1.0 + beta1)).add_(1e-30)
             return torch.special.erf(mu2.div_(var_m.mul_(2.0)).sqrt_())
-        return _reduce(opt, fresh, self.mu)
+        if self.weight == 0.0:
+            raise RuntimeError("AgreementMeter.agreement: observe() has not run yet")
+        return _reduce(self.opt, fresh, self.mu)
+
+    def gain(self) -> dict[int, float]:
+        """Mean expected loss decrease per step of each sparse group's coordinates (all ranks).
+
+        Per coordinate ``mu^2 / sqrt(mu^2 + var / W)`` (``mu^2`` and ``var`` as in the class
+        docstring, ``W`` the world size): the gradient mean times the step an Adam-like update
+        takes along it (``lr * mu / sqrt(v)``, ``v`` the global mean gradient's second
+        moment), per unit ``lr``. Unlike the agreement it carries the gradient's scale, so a
+        group whose coordinates each move the loss more reads higher (hypothesis 17)."""
+        def gain(b, s, mu, valid, beta1, world):
+            mu2, var = self._moments(s, mu, valid)
+            return mu2 / (mu2 + var.div_(world)).add_(1e-30).sqrt_()
+        if self.weight == 0.0:
+            raise RuntimeError("AgreementMeter.gain: observe() has not run yet")
+        return _reduce(self.opt, gain, self.mu)
 
 
 def _reduce(opt, per_coord, extra) -> dict[int, float]:
@@ -173,29 +192,31 @@ def _reduce(opt, per_coord, extra) -> dict[int, float]:
             for j, g in enumerate(groups)}
 
 
-def allot(agreement: dict[int, float], numels: dict[int, int], sparsity: float,
+def allot(signal: dict[int, float], numels: dict[int, int], sparsity: float,
           block_size: int, power: float = 1.0, max_density: float = 0.5) -> dict[int, float]:
     """Per-group sparsity for an overall ``sparsity`` (module docstring).
 
-    ``agreement`` and ``numels`` are keyed alike (group index or name). Returns the sparsity of
-    each group; ``sum n_g (1 - s_g) == (1 - sparsity) * sum n_g`` unless every group is
-    clipped."""
+    ``signal`` (a group's mean agreement or gain, or any finite value >= 0: only ratios
+    between groups matter) and ``numels`` are keyed alike (group index or name). Returns the
+    sparsity of each group; ``sum n_g (1 - s_g) == (1 - sparsity) * sum n_g`` unless every
+    group is clipped."""
     config.check_sparsity(sparsity)
     if sparsity == 0.0:
         raise ValueError("allot: sparsity must be > 0 (a sparse budget to split)")
-    if set(agreement) != set(numels) or not numels:
-        raise ValueError(f"allot: agreement and numels must name the same groups, got "
-                         f"{sorted(map(str, agreement))} and {sorted(map(str, numels))}")
+    if set(signal) != set(numels) or not numels:
+        raise ValueError(f"allot: signal and numels must name the same groups, got "
+                         f"{sorted(map(str, signal))} and {sorted(map(str, numels))}")
     if not (isinstance(power, (int, float)) and math.isfinite(power) and power >= 0):
         raise ValueError(f"allot: power must be a finite float >= 0, got {power!r}")
     lo = 1.0 / block_size
     if not lo <= 1.0 - sparsity <= max_density < 1.0:
         raise ValueError(f"allot: need 1/block_size <= 1 - sparsity <= max_density < 1, got "
                          f"density {1.0 - sparsity!r}, max_density {max_density!r}")
-    for g, a in agreement.items():
-        if not (math.isfinite(a) and 0.0 <= a <= 1.0):
-            raise ValueError(f"allot: agreement[{g!r}] must be in [0, 1], got {a!r}")
-    weight = {g: max(agreement[g], 1e-6) ** power for g in numels}
+    for g, a in signal.items():
+        if not (isinstance(a, (int, float)) and math.isfinite(a) and a >= 0.0):
+            raise ValueError(f"allot: signal[{g!r}] must be a finite float >= 0, got {a!r}")
+    top = max(signal.values())
+    weight = {g: max(signal[g] / top if top > 0 else 1.0, 1e-6) ** power for g in numels}
     budget = (1.0 - sparsity) * sum(numels.values())
     density: dict = {}
     free = set(numels)

@@ -59,11 +59,12 @@ def test_allot_water_fills_the_clipped_groups():
     (dict(power=-1.0), "power must be a finite float >= 0"),
     (dict(power=float("nan")), "power must be a finite float >= 0"),
     (dict(max_density=0.005), "max_density"),
-    (dict(agreement={0: 0.5}), "must name the same groups"),
-    (dict(agreement={0: 0.5, 1: 1.5}), r"agreement\[1\] must be in \[0, 1\]"),
+    (dict(signal={0: 0.5}), "must name the same groups"),
+    (dict(signal={0: 0.5, 1: -0.1}), r"signal\[1\] must be a finite float >= 0"),
+    (dict(signal={0: 0.5, 1: float("inf")}), r"signal\[1\] must be a finite float >= 0"),
 ])
 def test_allot_rejects_bad_input(kwargs, match):
-    args = dict(agreement={0: 0.5, 1: 0.2}, numels={0: 10, 1: 20}, sparsity=0.99,
+    args = dict(signal={0: 0.5, 1: 0.2}, numels={0: 10, 1: 20}, sparsity=0.99,
                 block_size=256)
     args.update(kwargs)
     with pytest.raises(ValueError, match=match):
@@ -167,6 +168,30 @@ def test_agreement_meter_tells_signal_from_noise(sparse_steps):
     assert set(a) == {0, 1}
     assert a[0] > 0.95
     assert a[1] < 0.3  # the EMA's own noise is taken out: pure noise reads low
+
+
+@pytest.mark.parametrize("sparse_steps", [0, 30])
+@pytest.mark.parametrize("scale", [1.0, 4.0])
+def test_agreement_meter_gain_carries_the_gradient_scale(sparse_steps, scale):
+    """Gain of a steady gradient is its mean ``|g|`` (scaled with it, where agreement is not);
+    of pure noise near 0; dense steps or sparse."""
+    opt, steady, noisy, vec = _two_param_opt()
+    meter = al.AgreementMeter(opt)
+    with pytest.raises(RuntimeError, match="observe"):
+        meter.gain()
+    g = torch.Generator().manual_seed(4)
+    direction = scale * torch.randn(steady.numel(), generator=g)
+    for _ in range(30 + sparse_steps):
+        steady.grad = direction.clone()
+        noisy.grad = scale * torch.randn(noisy.numel(), generator=g)
+        vec.grad = torch.randn(vec.numel(), generator=g)
+        meter.observe()
+        opt.step()
+    gain, agree = meter.gain(), meter.agreement()
+    assert set(gain) == {0, 1} and all(v >= 0 and math.isfinite(v) for v in gain.values())
+    assert gain[0] == pytest.approx(float(direction.abs().mean()), rel=1e-3)
+    assert gain[1] < 0.15 * gain[0]  # noise of the same size moves the loss little
+    assert agree[0] > 0.95  # agreement cannot tell the scales apart
 
 
 def test_agreement_meter_rejects_bad_input():

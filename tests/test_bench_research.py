@@ -298,7 +298,8 @@ def test_convergence_ramp_rows():
 
 
 def test_convergence_auto_rows():
-    """An ``-auto`` row splits the row's sparsity over the groups by agreement: every group
+    """An ``-auto`` row splits the row's sparsity over the groups by agreement (by gain on
+    ``-autog``): every group
     measured at the first sparse step and every ``every`` after, the agreeing groups denser,
     the coordinates per step those of every group at the row's sparsity; the runner refuses
     it."""
@@ -312,6 +313,8 @@ def test_convergence_auto_rows():
     assert ramped["allot"] == (1.0, 100, "m") and ramped["ramp"] == (0.5, 0.02)
     (fresh,) = variants([0.99], ["catchup_agree_trust2_accum-autof3"])
     assert fresh["allot"] == (3.0, 100, "fresh")
+    (gain,) = variants([0.99], ["catchup_agree_trust2_accum-autog1.5"])
+    assert gain["allot"] == (1.5, 100, "gain")
     w = Workload(model="tiny", steps=14, batch=4, seq=64, eval_every=14, eval_seqs=4, threads=1)
     corpus = load_corpus()
     base = dict(name="a", sparsity=0.9, warmup_steps=2, explore=0.1, lr=3e-3,
@@ -319,13 +322,17 @@ def test_convergence_auto_rows():
                 group_sparsity={"embed": 0.9, "pos": 0.9})
     auto = train(dict(base, allot=(2.0, 5, "m")), w, corpus, log=False)
     fresh = train(dict(base, allot=(2.0, 5, "fresh")), w, corpus, log=False)
-    assert [h[0] for h in auto["allot_history"]] == [0, 5, 10]
-    assert [h[0] for h in fresh["allot_history"]] == [0, 5, 10]
-    for _, agreement, split in auto["allot_history"] + fresh["allot_history"]:
-        assert set(agreement) == set(split) and len(split) == 4
-        assert all(0.0 <= a <= 1.0 for a in agreement.values())
-        most = max(agreement, key=agreement.__getitem__)
-        least = min(agreement, key=agreement.__getitem__)
+    gain = train(dict(base, allot=(2.0, 5, "gain")), w, corpus, log=False)
+    for run in (auto, fresh, gain):
+        assert [h[0] for h in run["allot_history"]] == [0, 5, 10]
+    for _, signal, split in auto["allot_history"] + fresh["allot_history"] \
+            + gain["allot_history"]:
+        assert set(signal) == set(split) and len(split) == 4
+        assert all(0.0 <= a <= 1.0 for a in signal.values())  # agreement; gain is far below 1
+        most = max(signal, key=signal.__getitem__)
+        least = min(signal, key=signal.__getitem__)
         assert split[most] < 0.9 < split[least]
+    # gain carries the gradient's scale: a reading of its own, not the agreement's
+    assert gain["allot_history"][-1][1] != fresh["allot_history"][-1][1]
     with pytest.raises(ValueError, match="one process"):
         run_config(dict(base, allot=(2.0, 5, "m")), w, 2)
