@@ -42,6 +42,7 @@ AUTO_RULES = ("catchup_agree_trust2_accum", "catchup_agree_trust4_accum")
 AUTO_POWERS = (1.0, 2.0)
 FRESH_POWERS = (1.0, 2.0, 3.0)
 GAIN_POWERS = (1.0, 1.5, 2.0)
+METER_BETAS = (0.99,)
 """``-auto<p>``: every group (the embeddings and the position embedding in groups of their
 own) at the row's sparsity overall, split by :func:`scape.allot.allot` with ``power=p`` from
 the groups' mean sign agreement read from ``m`` (:func:`scape.allot.group_agreement`),
@@ -49,7 +50,8 @@ measured at the first sparse step and every 100 after (``allot=(power, every, "m
 ``-autof<p>`` reads it from a fresh gradient mean instead (:class:`scape.allot.AgreementMeter`,
 ``"fresh"``); ``-autog<p>`` splits by the groups' expected loss decrease per step from the
 same meter (:meth:`scape.allot.AgreementMeter.gain`, ``"gain"``: hypothesis 17, at
-:data:`GAIN_POWERS`); ``-auto<p>-ramp<s0>x<f>`` ramps the overall sparsity as :data:`SHORT_RAMPS`
+:data:`GAIN_POWERS`; ``-autog<p>-beta<b>`` with the meter's EMA at ``b`` of
+:data:`METER_BETAS`, not the noise estimate's 0.95: ``allot=(p, 100, "gain", b)``); ``-auto<p>-ramp<s0>x<f>`` ramps the overall sparsity as :data:`SHORT_RAMPS`
 and splits it the same way."""
 
 
@@ -73,9 +75,9 @@ class Allotment:
         from scape import allot
 
         self.allot, self.opt, self.variant, self.steps = allot, opt, variant, steps
-        self.power, self.every, source = variant["allot"]
+        self.power, self.every, source, *beta = variant["allot"]
         self.source = source
-        self.meter = allot.AgreementMeter(opt) if source in ("fresh", "gain") else None
+        self.meter = allot.AgreementMeter(opt, *beta) if source in ("fresh", "gain") else None
         self.numels = allot.group_numels(opt)
         self.signal: dict[int, float] = {}
         self.history: list[tuple[int, dict[int, float], dict[int, float]]] = []
@@ -161,6 +163,9 @@ def variants(sparsities: list[float], names: list[str] | None,
                             group_sparsity={"embed": sp, "pos": sp}, allot=(power, 100, source))
                 rows += [auto] + [dict(auto, name=f"{rule}-{tag}{power:g}-ramp{s0:g}x{f:g}@{sp}",
                                        ramp=(s0, f)) for s0, f in SHORT_RAMPS if s0 < sp]
+                if source == "gain":
+                    rows += [dict(auto, name=f"{rule}-{tag}{power:g}-beta{b:g}@{sp}",
+                                  allot=(power, 100, source, b)) for b in METER_BETAS]
     if names:
         rows = [r for r in rows if r["name"].split("@")[0] in names]
     return rows
