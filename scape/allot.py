@@ -3,7 +3,7 @@
 A hand-set split (the embedding matrices at 0.95, the rest at 0.9925: 99% of all coordinates
 per step) closes more than half of the 99%-sparsity gap of the bundled workload at unchanged
 bytes (bench/README.md, hypothesis 14). This module sets such a split from a measured signal
-instead of by name (hypothesis 16).
+instead of by name (hypotheses 16 and 17).
 
 **The signal.** The noise-sized rules (``catchup_snr_accum``, the ``catchup_agree*`` rules)
 keep, per coordinate of the shard a rank owns, the EMA of its own gradient's square; with the
@@ -13,6 +13,10 @@ beta1) / (1 + beta1)``: the fraction of its steps dense AdamS would move the coo
 same way (the quantity :func:`scape.rules.catchup_agree` sizes its catch-up by). A
 coordinate that agrees near 1 drifts steadily and loses progress for every step it waits; one
 near 0 only jitters. ``m`` of a coordinate not sent lately is the value of its last sync.
+Agreement is blind to scale: a group whose coordinates each move the loss more is not told
+apart. :meth:`AgreementMeter.gain` is: the *gain* ``mu^2 / sqrt(v)`` of a coordinate is the
+loss decrease per unit ``lr`` of one Adam-like step along its gradient mean ``mu`` (``v`` its
+second moment), so a group's mean gain is what a step of its coordinates is worth.
 
 **The allotment.** Group ``g`` (``n_g`` coordinates, mean agreement ``A_g``) gets density
 ``d_g = lam * A_g^power``, with ``lam`` such that ``sum n_g d_g = (1 - sparsity) * sum n_g``:
@@ -26,7 +30,7 @@ group cannot take goes to the others (water-filling). ``power = 0`` is every gro
         ...; loss.backward()
         meter.observe()                           # every step, before opt.step()
         if t >= warmup and (t - warmup) % 100 == 0:  # one all-reduce of 2 floats per group
-            split = allot(meter.agreement(), numels, 0.99, opt.block_size, power=3)
+            split = allot(meter.gain(), numels, 0.99, opt.block_size, power=1)
         if t >= warmup:
             apply_allotment(opt, split)
         opt.step()
@@ -38,7 +42,10 @@ every group at 0.99 and 1.051x for the best split set by hand. Read from ``m``
 (:func:`group_agreement`: no extra state, but biased low for a sparse group, whose ``m`` is
 stale) power 1 gave 1.087x and power 2 ran away (1.117x). With the default rule
 (``catchup_agree_trust4_accum``) the fresh split made things worse (1.159x against 1.140x).
-A research tool, not a default.
+Split by gain (hypothesis 17) at power 1 it finds both embedding matrices (the position
+embedding's coordinates agree no more than the blocks', but its gain reads 2-5x theirs from
+sparse step 600 on): 1.067x on four seeds, 76% of the hand-set split's gain, and with the default rule
+1.118x (one seed; by hand 1.106x). A research tool, not a default.
 
 Only groups built sparse take part (a group built with ``sparsity=0`` stays dense and out of
 the budget). Every rank computes the same split from the all-reduced means, so masks stay
