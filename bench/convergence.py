@@ -105,7 +105,8 @@ def run_config(variant: dict[str, Any], w: Workload, world: int) -> RunConfig:
         raise ValueError(f"{variant['name']}: transform-domain rows run in one process only "
                          "(bench.rotate is not wired into bench.runner)")
     kw = {k: v for k, v in variant.items()
-          if k not in ("name", "optimizer", "lr", "sparsity", "group_sparsity", "allot")}
+          if k not in ("name", "optimizer", "lr", "sparsity", "group_sparsity", "allot",
+                       "allot_floor")}
     kind, sparsity, eval_every = variant.get("optimizer"), variant.get("sparsity", 0.0), \
         w.eval_every
     if kind in LOCAL_SGD:
@@ -132,7 +133,7 @@ def build_optimizer(model: torch.nn.Module, variant: dict[str, Any], w: Workload
     kind = variant.get("optimizer", "scape")
     kw = {k: v for k, v in variant.items()
           if k not in ("name", "optimizer", "lr", "group_sparsity", "transform", "ramp",
-                       "allot")}
+                       "allot", "allot_floor")}
     groups = param_groups(model, w.weight_decay, variant.get("group_sparsity"))
     rotated = None
     if variant.get("transform"):

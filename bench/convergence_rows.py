@@ -43,6 +43,7 @@ AUTO_POWERS = (1.0, 2.0)
 FRESH_POWERS = (1.0, 2.0, 3.0)
 GAIN_POWERS = (1.0, 1.5, 2.0)
 METER_BETAS = (0.99,)
+FLOORS = (0.5,)
 """``-auto<p>``: every group (the embeddings and the position embedding in groups of their
 own) at the row's sparsity overall, split by :func:`scape.allot.allot` with ``power=p`` from
 the groups' mean sign agreement read from ``m`` (:func:`scape.allot.group_agreement`),
@@ -51,8 +52,10 @@ measured at the first sparse step and every 100 after (``allot=(power, every, "m
 ``"fresh"``); ``-autog<p>`` splits by the groups' expected loss decrease per step from the
 same meter (:meth:`scape.allot.AgreementMeter.gain`, ``"gain"``: hypothesis 17, at
 :data:`GAIN_POWERS`; ``-autog<p>-beta<b>`` with the meter's EMA at ``b`` of
-:data:`METER_BETAS`, not the noise estimate's 0.95: ``allot=(p, 100, "gain", b)``); ``-auto<p>-ramp<s0>x<f>`` ramps the overall sparsity as :data:`SHORT_RAMPS`
-and splits it the same way."""
+:data:`METER_BETAS`, not the noise estimate's 0.95: ``allot=(p, 100, "gain", b)``);
+``-auto<p>-ramp<s0>x<f>`` ramps the overall sparsity as :data:`SHORT_RAMPS` and splits it the
+same way; ``-autog<p>-floor<fl>-ramp<s0>x<f>`` keeps every group's density at least ``fl`` of
+the overall one (``allot(floor=fl)``, ``allot_floor``; :data:`FLOORS`)."""
 
 
 def ramp_sparsity(variant: dict[str, Any], base: float, sparse_step: int, steps: int) -> float:
@@ -96,7 +99,7 @@ class Allotment:
             self.signal = self.allot.group_agreement(self.opt) if self.meter is None \
                 else self.meter.gain() if self.source == "gain" else self.meter.agreement()
         split = self.allot.allot(self.signal, self.numels, overall, self.opt.block_size,
-                                 power=self.power)
+                                 power=self.power, floor=self.variant.get("allot_floor", 0.0))
         self.allot.apply_allotment(self.opt, split)
         if measure:
             self.history.append((sparse_step, dict(self.signal), split))
@@ -166,6 +169,9 @@ def variants(sparsities: list[float], names: list[str] | None,
                 if source == "gain":
                     rows += [dict(auto, name=f"{rule}-{tag}{power:g}-beta{b:g}@{sp}",
                                   allot=(power, 100, source, b)) for b in METER_BETAS]
+                    rows += [dict(auto, name=f"{rule}-{tag}{power:g}-floor{fl:g}"
+                                  f"-ramp{s0:g}x{f:g}@{sp}", allot_floor=fl, ramp=(s0, f))
+                             for fl in FLOORS for s0, f in SHORT_RAMPS if s0 < sp]
     if names:
         rows = [r for r in rows if r["name"].split("@")[0] in names]
     return rows

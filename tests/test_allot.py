@@ -53,12 +53,33 @@ def test_allot_water_fills_the_clipped_groups():
     assert 0.05 < density["blocks"] < 0.5                # took what the head could not
 
 
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("floor", [0.25, 0.5, 1.0])
+def test_allot_floor_keeps_every_group_fed(seed, floor):
+    """One extreme reading (a group 1,000x the rest) cannot starve the others below ``floor``
+    of the overall density; the budget holds; ``floor=1`` is every group at ``sparsity``."""
+    signal, numels = _random_groups(seed)
+    signal[0] *= 1000.0
+    free = al.allot(signal, numels, 0.99, 4096, power=1.0)
+    split = al.allot(signal, numels, 0.99, 4096, power=1.0, floor=floor)
+    density = {g: 1.0 - s for g, s in split.items()}
+    assert min(1.0 - s for s in free.values()) < floor * 0.01  # the floor binds here
+    assert all(d >= floor * 0.01 * (1 - 1e-12) for d in density.values())
+    total = sum(numels.values())
+    assert math.isclose(sum(numels[g] * density[g] for g in numels), 0.01 * total,
+                        rel_tol=1e-9)
+    assert density[0] == max(density.values())
+    if floor == 1.0:
+        assert all(math.isclose(s, 0.99, abs_tol=1e-12) for s in split.values())
+
+
 @pytest.mark.parametrize("kwargs, match", [
     (dict(sparsity=0.0), "sparsity must be > 0"),
     (dict(sparsity=1.0), "sparsity"),
     (dict(power=-1.0), "power must be a finite float >= 0"),
     (dict(power=float("nan")), "power must be a finite float >= 0"),
     (dict(max_density=0.005), "max_density"),
+    (dict(floor=1.5), "floor must be a float in \\[0, 1\\]"),
     (dict(signal={0: 0.5}), "must name the same groups"),
     (dict(signal={0: 0.5, 1: -0.1}), r"signal\[1\] must be a finite float >= 0"),
     (dict(signal={0: 0.5, 1: float("inf")}), r"signal\[1\] must be a finite float >= 0"),

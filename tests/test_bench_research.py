@@ -315,6 +315,9 @@ def test_convergence_auto_rows():
     assert fresh["allot"] == (3.0, 100, "fresh")
     (gain,) = variants([0.99], ["catchup_agree_trust2_accum-autog1.5"])
     assert gain["allot"] == (1.5, 100, "gain")
+    (floored,) = variants([0.99], ["catchup_agree_trust2_accum-autog1-floor0.5-ramp0.5x0.02"])
+    assert floored["allot"] == (1.0, 100, "gain") and floored["allot_floor"] == 0.5
+    assert floored["ramp"] == (0.5, 0.02)
     w = Workload(model="tiny", steps=14, batch=4, seq=64, eval_every=14, eval_seqs=4, threads=1)
     corpus = load_corpus()
     base = dict(name="a", sparsity=0.9, warmup_steps=2, explore=0.1, lr=3e-3,
@@ -334,5 +337,9 @@ def test_convergence_auto_rows():
         assert split[most] < 0.9 < split[least]
     # gain carries the gradient's scale: a reading of its own, not the agreement's
     assert gain["allot_history"][-1][1] != fresh["allot_history"][-1][1]
+    floored = train(dict(base, allot=(4.0, 5, "gain"), allot_floor=0.5), w, corpus, log=False)
+    for _, _, split in floored["allot_history"]:
+        assert all(s <= 1.0 - 0.5 * 0.1 + 1e-12 for s in split.values())  # the floor holds
+        assert max(split.values()) > 0.9  # and the split still moves below it
     with pytest.raises(ValueError, match="one process"):
         run_config(dict(base, allot=(2.0, 5, "m")), w, 2)
