@@ -45,10 +45,10 @@ stale) power 1 gave 1.087x and power 2 ran away (1.117x). With the default rule
 Split by gain (hypothesis 17) at power 1 it finds both embedding matrices (the position
 embedding's coordinates agree no more than the blocks', but its gain reads 2-5x theirs from
 sparse step 600 on): 1.067x on four seeds, 76% of the hand-set split's gain. At overall
-sparsity 0.9847 (1/51.8 of dense bytes per sparse step) it gives 1.011x on four seeds, as the
-embeddings set by hand to 0.9 do. With the default rule it gave 1.118x at 99% overall (by
-hand 1.106x) and 1.061x at 0.9847 (every group at 0.9841: 1.049x), one seed each. A research
-tool, not a default.
+sparsity 0.9847 (1/51.8 of dense bytes per sparse step) it gives 1.013x on seven seeds, as the
+embeddings set by hand to 0.9 do (1.012x). With the default rule it gave 1.118x at 99% overall (by
+hand 1.106x; one seed) and 1.055x at 0.9847 (two seeds; every group at 0.9841: 1.049x). A
+research tool, not a default.
 
 Only groups built sparse take part (a group built with ``sparsity=0`` stays dense and out of
 the budget). Every rank computes the same split from the all-reduced means, so masks stay
