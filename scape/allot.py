@@ -18,12 +18,13 @@ apart. :meth:`AgreementMeter.gain` is: the *gain* ``mu^2 / sqrt(v)`` of a coordi
 loss decrease per unit ``lr`` of one Adam-like step along its gradient mean ``mu`` (``v`` its
 second moment), so a group's mean gain is what a step of its coordinates is worth.
 
-**The allotment.** Group ``g`` (``n_g`` coordinates, mean agreement ``A_g``) gets density
-``d_g = lam * A_g^power``, with ``lam`` such that ``sum n_g d_g = (1 - sparsity) * sum n_g``:
-the same coordinates per step in total as every group at ``sparsity`` (the same bytes, up to
-each block's rounding). ``d_g`` is kept in ``[1 / block_size, max_density]``; what a clipped
-group cannot take goes to the others (water-filling). ``power = 0`` is every group at
-``sparsity``; a larger power favours the agreeing groups more.
+**The allotment.** Group ``g`` (``n_g`` coordinates, mean signal ``A_g``: its agreement or its
+gain) gets density ``d_g = lam * A_g^power``, with ``lam`` such that ``sum n_g d_g = (1 -
+sparsity) * sum n_g``: the same coordinates per step in total as every group at ``sparsity``
+(the same bytes, up to each block's rounding). ``d_g`` is kept in ``[max(1 / block_size, floor
+* (1 - sparsity)), max_density]``; what a clipped group cannot take goes to the others
+(water-filling). ``power = 0`` is every group at ``sparsity``; a larger power favours the
+groups that read higher more.
 
     meter, numels = AgreementMeter(opt), group_numels(opt)
     for t in range(steps):

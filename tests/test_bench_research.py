@@ -299,10 +299,9 @@ def test_convergence_ramp_rows():
 
 def test_convergence_auto_rows():
     """An ``-auto`` row splits the row's sparsity over the groups by agreement (by gain on
-    ``-autog``): every group
-    measured at the first sparse step and every ``every`` after, the agreeing groups denser,
-    the coordinates per step those of every group at the row's sparsity; the runner refuses
-    it."""
+    ``-autog``): every group measured at the first sparse step and every ``every`` after, the
+    groups that read higher denser, the coordinates per step those of every group at the row's
+    sparsity, a floor kept where set; the runner refuses it."""
     from bench.convergence import Workload, run_config, train
     from bench.convergence_rows import variants
     from bench.data import load_corpus
