@@ -92,11 +92,21 @@ def group_agreement(opt) -> dict[int, float]:
 
     def stale(b, s, _, valid, beta1, world):
         mom = s.m[:valid]
-        s2 = s.extra["s2"][:valid] / s.extra["s2w"][:valid].clamp(min=1e-12)
-        var_m = (s2 - mom.square()).clamp_(min=0.0).div_(world) \
-            .mul_((1.0 - beta1) / (1.0 + beta1)).add_(1e-30)
-        return torch.special.erf(mom.abs().div_(var_m.mul_(2.0).sqrt_()))
+        var = (_s2(s, valid) - mom.square()).clamp_(min=0.0)
+        return _agree(mom.abs(), var, world, beta1)
     return _reduce(opt, stale, [None] * len(opt.buckets))
+
+
+def _s2(s, valid: int) -> torch.Tensor:
+    """The rule's bias-corrected EMA of the owner's squared gradient (``NOISE_STATE``)."""
+    return s.extra["s2"][:valid] / s.extra["s2w"][:valid].clamp(min=1e-12)
+
+
+def _agree(amp: torch.Tensor, var: torch.Tensor, world: int, beta1: float) -> torch.Tensor:
+    """Sign agreement ``erf(amp / (sigma_m sqrt 2))`` of a mean of size ``amp`` against the
+    per-rank gradient variance ``var`` (module docstring); ``var`` is overwritten."""
+    var_m = var.div_(world).mul_((1.0 - beta1) / (1.0 + beta1)).add_(1e-30)
+    return torch.special.erf(amp.div_(var_m.mul_(2.0).sqrt_()))
 
 
 class AgreementMeter:
@@ -148,20 +158,21 @@ class AgreementMeter:
         """Per coordinate: the squared gradient mean with the EMA's own noise removed, and
         the per-rank gradient variance."""
         mean = mu[:valid] / self.weight
-        s2 = s.extra["s2"][:valid] / s.extra["s2w"][:valid].clamp(min=1e-12)
-        var = (s2 - mean.square()).clamp_(min=0.0)
+        var = (_s2(s, valid) - mean.square()).clamp_(min=0.0)
         shrink = (1.0 - self.beta) / (1.0 + self.beta)
         return (mean.square() - var * shrink).clamp_(min=0.0), var
+
+    def _read(self, who: str, per_coord) -> dict[int, float]:
+        if self.weight == 0.0:
+            raise RuntimeError(f"AgreementMeter.{who}: observe() has not run yet")
+        return _reduce(self.opt, per_coord, self.mu)
 
     def agreement(self) -> dict[int, float]:
         """Mean fresh sign agreement of each sparse group (all ranks)."""
         def fresh(b, s, mu, valid, beta1, world):
             mu2, var = self._moments(s, mu, valid)
-            var_m = var.div_(world).mul_((1.0 - beta1) / (1.0 + beta1)).add_(1e-30)
-            return torch.special.erf(mu2.div_(var_m.mul_(2.0)).sqrt_())
-        if self.weight == 0.0:
-            raise RuntimeError("AgreementMeter.agreement: observe() has not run yet")
-        return _reduce(self.opt, fresh, self.mu)
+            return _agree(mu2.sqrt_(), var, world, beta1)
+        return self._read("agreement", fresh)
 
     def gain(self) -> dict[int, float]:
         """Mean expected loss decrease per step of each sparse group's coordinates (all ranks).
@@ -174,9 +185,7 @@ class AgreementMeter:
         def gain(b, s, mu, valid, beta1, world):
             mu2, var = self._moments(s, mu, valid)
             return mu2 / (mu2 + var.div_(world)).add_(1e-30).sqrt_()
-        if self.weight == 0.0:
-            raise RuntimeError("AgreementMeter.gain: observe() has not run yet")
-        return _reduce(self.opt, gain, self.mu)
+        return self._read("gain", gain)
 
 
 def _reduce(opt, per_coord, extra) -> dict[int, float]:
