@@ -164,6 +164,8 @@ def train(variant: dict[str, Any], w: Workload, corpus: Any, rank: int = 0, worl
     base = [g.get("sparsity", 0.0) for g in opt.param_groups]
     warm = variant.get("warmup_steps", 0)
     split = Allotment(opt, variant, w.steps) if variant.get("allot") else None
+    history: list = [] if split is None else split.history
+    gain: Any = getattr(opt, "split_gain", None)  # the optimizer's last reading (-split)
     for step in range(w.steps):
         for g, sp in zip(opt.param_groups, base):
             g["lr"] = lr_at(step, schedule)
@@ -184,6 +186,9 @@ def train(variant: dict[str, Any], w: Workload, corpus: Any, rank: int = 0, worl
             split.observe()
         opt.step()
         opt.zero_grad()
+        if getattr(opt, "split", None) and opt.split_gain is not gain:  # read for this mask
+            gain = opt.split_gain
+            history.append((step + 1 - warm, dict(gain), dict(opt.split_sparsity)))
         if rotated is not None:
             rotated.pull()
         sent += sum(opt.last_step.bytes.values())
@@ -204,7 +209,7 @@ def train(variant: dict[str, Any], w: Workload, corpus: Any, rank: int = 0, worl
             "bytes_per_step": sent / w.steps,
             "bytes_per_sparse_step": sent_sparse / max(1, w.steps - warm), "world": 1,
             "wall_s": time.perf_counter() - t0, "params": num_params(model),
-            **({"allot_history": split.history} if split is not None else {})}
+            **({"allot_history": history} if history else {})}
 
 
 LOCAL_ROWS = ("sparseloco-h8-d0.01", "sparseloco-h8-d0.03", "sparseloco-h32-d0.01",

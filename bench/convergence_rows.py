@@ -55,7 +55,10 @@ same meter (:meth:`scape.allot.AgreementMeter.gain`, ``"gain"``: hypothesis 17, 
 :data:`METER_BETAS`, not the noise estimate's 0.95: ``allot=(p, 100, "gain", b)``);
 ``-auto<p>-ramp<s0>x<f>`` ramps the overall sparsity as :data:`SHORT_RAMPS` and splits it the
 same way; ``-autog<p>-floor<fl>-ramp<s0>x<f>`` keeps every group's density at least ``fl`` of
-the overall one (``allot(floor=fl)``, ``allot_floor``; :data:`FLOORS`)."""
+the overall one (``allot(floor=fl)``, ``allot_floor``; :data:`FLOORS`). ``-split`` is the
+``-autog1`` split made by the optimizer (``SCAPE(split="gain")``): read at the first sparse
+mask and every 100 after, applied from the mask it is read at (``-autog1`` from the mask
+after), its meter checkpointed, and it runs on more than one process too."""
 
 
 def ramp_sparsity(variant: dict[str, Any], base: float, sparse_step: int, steps: int) -> float:
@@ -172,6 +175,9 @@ def variants(sparsities: list[float], names: list[str] | None,
                     rows += [dict(auto, name=f"{rule}-{tag}{power:g}-floor{fl:g}"
                                   f"-ramp{s0:g}x{f:g}@{sp}", allot_floor=fl, ramp=(s0, f))
                              for fl in FLOORS for s0, f in SHORT_RAMPS if s0 < sp]
+            # the gain split made by the optimizer itself (SCAPE(split="gain")): no Allotment
+            rows.append(dict(base, name=f"{rule}-split@{sp}", update=rule,
+                             group_sparsity={"embed": sp, "pos": sp}, split="gain"))
     if names:
         rows = [r for r in rows if r["name"].split("@")[0] in names]
     return rows

@@ -29,14 +29,18 @@ from typing import Any
 import torch
 
 from scape import config
+from scape.allot import AgreementMeter, allot, group_numels
 from scape.buffers import DENSE_ALIGN, Bucket
 from scape.checkpoint import load_sharded_state, sharded_state
 from scape.comm import Communicator
 from scape.drift import Drift
 from scape.kernels import adams_dense_, blockwise_topk, scatter_, take_
 from scape.profiling import phase
-from scape.rules import RULES, ShardState, mask_positions
+from scape.rules import NOISE_STATE, RULES, ShardState, mask_positions
 from scape.sharded import ShardedOptimizer, _Pending
+
+SPLIT_STATE = "split_mu"
+"""The ``shard.extra`` key of the gain meter's EMA under ``split="gain"``."""
 
 DIAG_FULL_EVERY = 10
 """Diagnostics that read the whole shard (``updated_last_100``) refresh this often; the
@@ -110,6 +114,17 @@ class SCAPE(ShardedOptimizer):
             0.9 or 0.95 (README, "Give the embeddings their own group"). ``"lazy"`` is
             DESIGN §1's baseline. A group's ``sparsity`` may change between steps (module
             docstring).
+        split: how the sparse groups share their coordinates. ``None`` (default): each group
+            sends its own ``sparsity``. ``"gain"``: the groups' ``sparsity`` values only set
+            the budget (the coordinates per step of every group at its value), and the masks
+            split it in proportion to each group's measured gain, the loss decrease one step
+            of its coordinates is worth (:meth:`scape.allot.AgreementMeter.gain`; README,
+            "Or measure the split"). It needs a noise-sized rule (the ``catchup_agree*`` and
+            ``catchup_snr`` rules), keeps 4 more bytes per shard coordinate and adds one
+            blocking all-reduce of 2 floats per sparse group every ``split_every`` sparse
+            steps. :attr:`split_sparsity` holds the sparsity each group's next mask is made
+            at.
+        split_every: sparse steps between two readings of the gain (``split="gain"``).
         max_grad_norm: clip the synchronized gradient to this norm (None: no clipping).
         grad_comm_dtype: dtype of gradients on the wire (float32, bfloat16, float16).
         comm: a :class:`scape.comm.Communicator`; default: a ``TorchCommunicator`` on the
@@ -123,6 +138,7 @@ class SCAPE(ShardedOptimizer):
                  block_size: int = 4096, warmup_steps: int = 20, dense_every: int = 0,
                  explore: float = 0.1, error_feedback: bool = True,
                  update: str = "catchup_agree_trust4_accum",
+                 split: str | None = None, split_every: int = 100,
                  max_grad_norm: float | None = None,
                  grad_comm_dtype: torch.dtype = torch.float32,
                  comm: Communicator | None = None) -> None:
@@ -131,10 +147,12 @@ class SCAPE(ShardedOptimizer):
         self.explore = explore
         self.error_feedback = error_feedback
         self.update = update
+        self.split, self.split_every = split, split_every
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                         sparsity=sparsity)
         fields = dict(warmup_steps=warmup_steps, dense_every=dense_every, explore=explore,
-                      error_feedback=error_feedback, update=update)
+                      error_feedback=error_feedback, update=update, split=split,
+                      split_every=split_every)
         super().__init__(params, defaults, comm=comm, block_size=block_size,
                          max_grad_norm=max_grad_norm, grad_comm_dtype=grad_comm_dtype,
                          global_fields=fields)
@@ -155,6 +173,18 @@ class SCAPE(ShardedOptimizer):
             Drift(self.rule.drift, b.param_flat) if m is not None and self.rule.drift else None
             for b, m in zip(self.buckets, self.masks)]
         """Replicated drift state per sparse bucket when the rule drifts (scape.drift)."""
+        self.meter: AgreementMeter | None = None
+        self.split_gain: dict[int, float] = {}
+        """The gain last read per sparse group (``split="gain"``; a new dict per reading)."""
+        self._split_made = 0  # sparse masks made under split="gain"
+        self.split_sparsity: dict[int, float] = {}
+        """Sparsity each sparse group's last mask was made at (param group index -> value):
+        the group's own ``sparsity``, or its share of the budget under ``split="gain"``."""
+        if split is not None:
+            self.meter = AgreementMeter(self)  # its EMA lives in the shards: checkpointed
+            for s, mu in zip(self.shards, self.meter.mu):
+                if mu is not None:
+                    s.extra[SPLIT_STATE] = mu
 
     def _validate_args(self, defaults: dict, block_size: int, max_grad_norm: Any,
                        grad_comm_dtype: Any, global_fields: dict) -> None:
@@ -171,6 +201,15 @@ class SCAPE(ShardedOptimizer):
                              f"of {sorted(RULES)})")
         warm = global_fields["warmup_steps"]
         config.check_int("warmup_steps", warm, 0)
+        if global_fields["split"] not in (None, "gain"):
+            raise ValueError(f"Invalid split: {global_fields['split']!r} (expected None or "
+                             "'gain')")
+        config.check_int("split_every", global_fields["split_every"], 1)
+        if global_fields["split"] is not None and \
+                not set(NOISE_STATE) <= set(RULES[global_fields["update"]].extra):
+            raise ValueError(f"split={global_fields['split']!r} needs a rule that keeps the "
+                             "local noise estimate (the catchup_agree* and catchup_snr rules), "
+                             f"got update={global_fields['update']!r}")
 
     def _validate_group(self, group: dict, index: int) -> None:
         super()._validate_group(group, index)
@@ -207,7 +246,10 @@ class SCAPE(ShardedOptimizer):
                           extra={k: torch.zeros_like(master) for k in rule.extra})
 
     def _observe(self, i: int) -> None:
-        """Give the rule the owner's slice of its own buffer (before the take)."""
+        """Give the rule (and the split's meter) the owner's slice of its own buffer (before
+        the take; the meter first: it reads the rule's ``prev`` before the rule moves it)."""
+        if self.meter is not None and i == 0:
+            self.meter.observe()
         if self.rule.observe is not None and self.masks[i] is not None:
             b = self.buckets[i]
             self.rule.observe(self.shards[i], b.grad_flat[b.shard], self.error_feedback)
@@ -310,12 +352,13 @@ class SCAPE(ShardedOptimizer):
                 if m is not None:
                     m.next, m.local, m.work = None, None, None
             return
+        self.split_sparsity = self._next_split()
         for i, (b, mask_state) in enumerate(zip(self.buckets, self.masks)):
             if mask_state is None:
                 continue
             s = self.shards[i]
             mask_state.k, mask_state.k_explore = block_budget(
-                self.param_groups[b.group]["sparsity"], self.block_size, self.explore)
+                self.split_sparsity[b.group], self.block_size, self.explore)
             with phase("scape/mask", b.device):
                 score = s.m if self.rule.score is None else self.rule.score(s)
                 idx = blockwise_topk(score, mask_state.k, self.block_size,
@@ -333,6 +376,41 @@ class SCAPE(ShardedOptimizer):
                 mask_state.work = self.comm.all_gather(full.view(-1), idx.view(-1))
             mask_state.next, mask_state.local = full, idx
 
+    def _next_split(self) -> dict[int, float]:
+        """The sparsity of each sparse group's next mask (``split`` in the class docstring).
+
+        Under ``split="gain"`` the budget is read from the groups' ``sparsity`` at every mask
+        (a schedule may move it) and split by the gain last read, which is read again every
+        ``split_every`` masks (the first time at the first sparse mask, from the warm-up's
+        gradients). Every rank reads the same all-reduced gain: the masks stay consistent."""
+        own = {b.group: float(self.param_groups[b.group]["sparsity"])
+               for b, m in zip(self.buckets, self.masks) if m is not None}
+        if self.meter is None:
+            return own
+        if self._split_made % self.split_every == 0 or not self.split_gain:
+            self.split_gain = self.meter.gain()
+        self._split_made += 1
+        numels = group_numels(self)
+        total = sum(numels.values())
+        density = sum(numels[g] * (1.0 - own[g]) for g in numels) / total
+        if len(numels) < 2 or density < 1.0 / self.block_size:  # nothing to split
+            return own
+        return allot(self.split_gain, numels, 1.0 - density, self.block_size, power=1.0,
+                     max_density=max(0.5, density))
+
+    def _counters(self) -> dict[str, Any]:
+        if self.meter is None:
+            return {}
+        return {"split_made": self._split_made, "split_weight": self.meter.weight,
+                "split_gain": dict(self.split_gain)}
+
+    def _load_counters(self, counters: dict[str, Any]) -> None:
+        if self.meter is None:
+            return
+        self._split_made = int(counters.get("split_made", 0))
+        self.meter.weight = float(counters.get("split_weight", 0.0))
+        self.split_gain = {int(g): float(v) for g, v in counters.get("split_gain", {}).items()}
+
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
         """This rank's shard: master weights, ``m``, ages, residual, masks, step, groups."""
@@ -349,7 +427,7 @@ class SCAPE(ShardedOptimizer):
     def load_state_dict(self, state_dict: Any) -> None:  # type: ignore[override]
         """Load this rank's ``state_dict()``, or a list of every old rank's (any world size)."""
         self.finish_param_sync()
-        extras = load_sharded_state(self, state_dict)
+        extras = load_sharded_state(self, self._fit_split_state(state_dict))
         for b, d, extra in zip(self.buckets, self.drifts, extras):
             if d is not None:
                 if "drift_anchor" not in extra:
@@ -366,6 +444,25 @@ class SCAPE(ShardedOptimizer):
             m.current = _fit_mask(extra.get("mask_current"), m, self.block_size)
             m.local = None if m.next is None else \
                 m.next[self.comm.rank * m.n_local:(self.comm.rank + 1) * m.n_local]
+
+    def _fit_split_state(self, state: Any) -> Any:
+        """``state`` with the split's meter EMA as this optimizer keeps it: dropped when it
+        does not split; zeros when the checkpoint was saved without a split (the meter
+        starts again, as :class:`scape.allot.AgreementMeter` does after a resume)."""
+        def fit(sd: Any) -> Any:
+            if not isinstance(sd, dict) or not isinstance(sd.get("buckets"), list):
+                return sd  # load_sharded_state explains what is wrong with it
+            buckets = []
+            for e, s in zip(sd["buckets"], self.shards):
+                if not isinstance(e, dict) or not isinstance(e.get("extra"), dict):
+                    return sd
+                extra = {k: v for k, v in e["extra"].items() if k != SPLIT_STATE}
+                if SPLIT_STATE in s.extra and "m" in e:
+                    extra[SPLIT_STATE] = e["extra"].get(SPLIT_STATE, torch.zeros_like(e["m"]))
+                buckets.append(dict(e, extra=extra))
+            buckets += sd["buckets"][len(buckets):]  # a count mismatch is reported later
+            return dict(sd, buckets=buckets)
+        return [fit(sd) for sd in state] if isinstance(state, (list, tuple)) else fit(state)
 
 
 def _fit_mask(mask: torch.Tensor | None, m: _MaskState,

@@ -146,11 +146,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """The mask bucket ``i`` synchronized this step (None when dense)."""
         return None
 
-    def _counters(self) -> dict[str, int]:
+    def _counters(self) -> dict[str, Any]:
         """Scalar state beyond the step count, saved in checkpoints."""
         return {}
 
-    def _load_counters(self, counters: dict[str, int]) -> None:
+    def _load_counters(self, counters: dict[str, Any]) -> None:
         """Restore what :meth:`_counters` saved."""
 
     # ------------------------------------------------------------------- fingerprint

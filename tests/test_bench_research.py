@@ -342,3 +342,35 @@ def test_convergence_auto_rows():
         assert max(split.values()) > 0.9  # and the split still moves below it
     with pytest.raises(ValueError, match="one process"):
         run_config(dict(base, allot=(2.0, 5, "m")), w, 2)
+
+
+def test_convergence_split_row():
+    """A ``-split`` row leaves the split to the optimizer (``SCAPE(split="gain")``): its
+    readings are recorded at the first sparse mask and every ``split_every`` after, the groups
+    that read higher are denser, and the bytes per sparse step are those of every group at the
+    row's sparsity (up to each block's rounding); the runner takes it on 2 processes."""
+    from bench.convergence import Workload, run_config, train
+    from bench.convergence_rows import variants
+    from bench.data import load_corpus
+
+    (row,) = variants([0.99], ["catchup_agree_trust2_accum-split"])
+    assert row["split"] == "gain" and "allot" not in row
+    assert row["group_sparsity"] == {"embed": 0.99, "pos": 0.99}
+    w = Workload(model="tiny", steps=14, batch=4, seq=64, eval_every=14, eval_seqs=4, threads=1)
+    corpus = load_corpus()
+    base = dict(name="a", sparsity=0.9, warmup_steps=2, explore=0.1, lr=3e-3,
+                update="catchup_agree_trust2_accum",
+                group_sparsity={"embed": 0.9, "pos": 0.9})
+    split = train(dict(base, split="gain", split_every=5), w, corpus, log=False)
+    uniform = train(base, w, corpus, log=False)
+    assert [h[0] for h in split["allot_history"]] == [0, 5, 10]
+    for _, gain, sp in split["allot_history"]:
+        assert set(gain) == set(sp) and len(sp) == 4
+        assert all(v >= 0.0 and math.isfinite(v) for v in gain.values())
+        assert sp[max(gain, key=gain.__getitem__)] < 0.9 < sp[min(gain, key=gain.__getitem__)]
+    assert "allot_history" not in uniform
+    assert math.isfinite(split["final_val_loss"])
+    assert split["bytes_per_sparse_step"] == pytest.approx(uniform["bytes_per_sparse_step"],
+                                                           rel=0.05)
+    assert split["bytes_per_sparse_step"] != uniform["bytes_per_sparse_step"]  # another split
+    assert run_config(dict(base, split="gain"), w, 2).optimizer_kwargs["split"] == "gain"
