@@ -117,13 +117,14 @@ def variants(sparsities: list[float], names: list[str] | None,
     plain ``lazy`` rule and ``catchup_accum`` (the library's default when those rows were
     measured; ``catchup_agree_trust4_accum`` is now), the per-group sparsity rows of
     :data:`GROUP_RULES` and the sparsity warm-up rows of :data:`RAMP_RULES`. A row is named
-    ``<rule>[-<schedule change>]@<sparsity>``.
+    ``<rule>[-<schedule change>]@<sparsity>``. Every row sends each group at its own sparsity
+    (``split=None``, whatever the optimizer's default) except the ``-split`` rows.
     """
     from scape.rules import RULES
 
     rows: list[dict[str, Any]] = []
     for sp in sparsities:
-        base = dict(sparsity=sp, warmup_steps=warmup, explore=0.1)
+        base = dict(sparsity=sp, warmup_steps=warmup, explore=0.1, split=None)
         rows += [dict(base, name=f"{rule}@{sp}", update=rule) for rule in RULES]
         for rule in ("lazy", "catchup_accum"):
             rows += [

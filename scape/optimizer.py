@@ -147,7 +147,7 @@ class SCAPE(ShardedOptimizer):
         self.explore = explore
         self.error_feedback = error_feedback
         self.update = update
-        self.split, self.split_every = split, split_every
+        self.split_every = split_every
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                         sparsity=sparsity)
         fields = dict(warmup_steps=warmup_steps, dense_every=dense_every, explore=explore,
@@ -180,7 +180,9 @@ class SCAPE(ShardedOptimizer):
         self.split_sparsity: dict[int, float] = {}
         """Sparsity each sparse group's last mask was made at (param group index -> value):
         the group's own ``sparsity``, or its share of the budget under ``split="gain"``."""
-        if split is not None:
+        self.split: str | None = _resolve_split(split, update)
+        """The split in force: ``"gain"`` or None (``"auto"`` resolved)."""
+        if self.split is not None and len(group_numels(self)) > 1:  # one group: no split
             self.meter = AgreementMeter(self)  # its EMA lives in the shards: checkpointed
             for s, mu in zip(self.shards, self.meter.mu):
                 if mu is not None:
@@ -201,12 +203,11 @@ class SCAPE(ShardedOptimizer):
                              f"of {sorted(RULES)})")
         warm = global_fields["warmup_steps"]
         config.check_int("warmup_steps", warm, 0)
-        if global_fields["split"] not in (None, "gain"):
-            raise ValueError(f"Invalid split: {global_fields['split']!r} (expected None or "
-                             "'gain')")
+        if global_fields["split"] not in (None, "auto", "gain"):
+            raise ValueError(f"Invalid split: {global_fields['split']!r} (expected None, "
+                             "'auto' or 'gain')")
         config.check_int("split_every", global_fields["split_every"], 1)
-        if global_fields["split"] is not None and \
-                not set(NOISE_STATE) <= set(RULES[global_fields["update"]].extra):
+        if global_fields["split"] == "gain" and not _measures_noise(global_fields["update"]):
             raise ValueError(f"split={global_fields['split']!r} needs a rule that keeps the "
                              "local noise estimate (the catchup_agree* and catchup_snr rules), "
                              f"got update={global_fields['update']!r}")
@@ -393,7 +394,7 @@ class SCAPE(ShardedOptimizer):
         numels = group_numels(self)
         total = sum(numels.values())
         density = sum(numels[g] * (1.0 - own[g]) for g in numels) / total
-        if len(numels) < 2 or density < 1.0 / self.block_size:  # nothing to split
+        if density < 1.0 / self.block_size:  # under one coordinate per block: nothing to split
             return own
         return allot(self.split_gain, numels, 1.0 - density, self.block_size, power=1.0,
                      max_density=max(0.5, density))
@@ -463,6 +464,18 @@ class SCAPE(ShardedOptimizer):
             buckets += sd["buckets"][len(buckets):]  # a count mismatch is reported later
             return dict(sd, buckets=buckets)
         return [fit(sd) for sd in state] if isinstance(state, (list, tuple)) else fit(state)
+
+
+def _measures_noise(update: str) -> bool:
+    """Whether the rule keeps the local noise estimate the gain is read from."""
+    return set(NOISE_STATE) <= set(RULES[update].extra)
+
+
+def _resolve_split(split: str | None, update: str) -> str | None:
+    """``"auto"``: ``"gain"`` where the rule keeps the noise estimate, else None."""
+    if split == "auto":
+        return "gain" if _measures_noise(update) else None
+    return split
 
 
 def _fit_mask(mask: torch.Tensor | None, m: _MaskState,

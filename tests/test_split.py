@@ -106,6 +106,40 @@ def test_split_off_uses_each_groups_own_sparsity():
     assert all("split_mu" not in s.extra for s in opt.shards)
 
 
+@pytest.mark.parametrize("update,want", [("catchup_agree_trust2_accum", "gain"),
+                                          ("catchup_snr_accum", "gain"),
+                                          ("catchup_sqrt_accum", None), ("lazy", None)])
+def test_split_auto_follows_the_rule(update, want):
+    """``split="auto"`` splits by gain where the rule keeps the noise estimate, else not."""
+    opt, params = _opt(0, split="auto", update=update)
+    assert opt.split == want
+    assert (opt.meter is not None) == (want == "gain")
+    g = torch.Generator().manual_seed(12)
+    _run(opt, params, g, torch.randn(3000, generator=g), WARM + 5)
+    if want is None:
+        assert opt.split_sparsity == {0: SP, 1: SP}
+    else:
+        assert opt.split_sparsity[0] < SP < opt.split_sparsity[1]
+
+
+def test_split_with_one_sparse_group_keeps_no_meter():
+    """One sparse group has nothing to share with: no meter, no state, its own sparsity."""
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(3000))
+    b = torch.nn.Parameter(torch.randn(10))
+    opt = scape.SCAPE([{"params": [w]}, {"params": [b], "sparsity": 0.0}], lr=1e-3,
+                      sparsity=SP, block_size=BS, warmup_steps=WARM,
+                      update="catchup_agree_trust2_accum", split="gain")
+    assert opt.split == "gain" and opt.meter is None
+    assert all("split_mu" not in s.extra for s in opt.shards)
+    gen = torch.Generator().manual_seed(13)
+    for _ in range(WARM + 3):
+        w.grad, b.grad = torch.randn(3000, generator=gen), torch.randn(10, generator=gen)
+        opt.step()
+    assert opt.split_sparsity == {0: SP}
+    assert _coords(opt, 0) == opt.masks[0].n_blocks * block_budget(SP, BS, opt.explore)[0]
+
+
 @pytest.mark.parametrize("kwargs,err,match", [
     (dict(split="agreement"), ValueError, "Invalid split"),
     (dict(split_every=0), ValueError, "split_every"),
