@@ -17,7 +17,9 @@ token budget and LR schedule (:mod:`bench.runner`):
 
 A ``scape`` or ``compute_only`` name may end in ``-embed<sparsity>`` (e.g.
 ``scape-0.99-embed0.9``): the embedding matrices, the tied head among them, then form their own
-param group at that sparsity (the quality research's finding; bench/README.md).
+param group at that sparsity (the quality research's finding; bench/README.md), with the
+optimizer's own split off (``split=None``). Without it a ``scape`` row runs the library's
+defaults: its two sparse groups (``decay``, ``no_decay``) share the row's sparsity by gain.
 
 Opt-in local-step rows (:mod:`bench.local_sgd_opts`, AdamW inner optimizer at the same lr):
 ``sparseloco-h<H>-d<density>[-b<bits>]`` (``scape.SparseLoCo``, 2-bit values unless ``-b``
@@ -149,6 +151,8 @@ def make_configs(names: list[str], w: dict[str, Any], data: str | None, profile_
         if is_local_name(name):
             kwargs = parse_local_name(name)[1]
         emb = embed_sparsity(name)
+        if emb is not None:  # the split set by hand, as named: the optimizer's split off
+            kwargs["split"] = None
         cfgs.append(RunConfig(
             optimizer=opt, sparsity=sp if opt != "adams" else 0.0, optimizer_kwargs=kwargs,
             group_sparsity=None if emb is None else {"embed": emb},

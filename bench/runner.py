@@ -392,9 +392,12 @@ def _train(cfg: RunConfig, rank: int, world: int) -> dict[str, Any]:
             with open(path) as f:
                 names = {e.get("name", "") for e in json.load(f).get("traceEvents", [])}
             phases = sorted(n for n in names if n.startswith(("scape/", "topk/")))
-    settings = {k: getattr(opt, k) for k in ("update", "explore", "warmup_steps", "dense_every",
-                                             "error_feedback", "block_size")
-                if isinstance(getattr(opt, k, None), (str, int, float, bool))}
+    settings: dict[str, Any] = {
+        k: getattr(opt, k) for k in ("update", "split", "explore", "warmup_steps",
+                                     "dense_every", "error_feedback", "block_size")
+        if isinstance(getattr(opt, k, None), (str, int, float, bool))}
+    if getattr(opt, "split", None):  # the split of the last mask, by param group index
+        settings["split_sparsity"] = {str(g): v for g, v in opt.split_sparsity.items()}
     return {"records": records, "val_curve": val_curve, "params": num_params(module),
             "wall_s": time.perf_counter() - started, "phases": phases,
             "optimizer_settings": settings}

@@ -39,6 +39,13 @@ from scape.profiling import phase
 from scape.rules import NOISE_STATE, RULES, ShardState, mask_positions
 from scape.sharded import ShardedOptimizer, _Pending
 
+AUTO_RULE = "catchup_agree_trust4_accum"
+"""``update="auto"`` with one sparse group or no split: the rule that holds up over long runs
+and above the tuned lr with every group at one sparsity (bench/README.md, hypothesis 12)."""
+AUTO_SPLIT_RULE = "catchup_agree_trust2_accum"
+"""``update="auto"`` with the gain split in force: the pair that meets the 0.99 goal
+(bench/README.md, hypotheses 17 and 18)."""
+
 SPLIT_STATE = "split_mu"
 """The ``shard.extra`` key of the gain meter's EMA under ``split="gain"``."""
 
@@ -137,8 +144,7 @@ class SCAPE(ShardedOptimizer):
                  eps: float = 1e-8, weight_decay: float = 0.0, sparsity: float = 0.99,
                  block_size: int = 4096, warmup_steps: int = 20, dense_every: int = 0,
                  explore: float = 0.1, error_feedback: bool = True,
-                 update: str = "catchup_agree_trust4_accum",
-                 split: str | None = None, split_every: int = 100,
+                 update: str = "auto", split: str | None = "auto", split_every: int = 100,
                  max_grad_norm: float | None = None,
                  grad_comm_dtype: torch.dtype = torch.float32,
                  comm: Communicator | None = None) -> None:
@@ -146,8 +152,8 @@ class SCAPE(ShardedOptimizer):
         self.dense_every = dense_every
         self.explore = explore
         self.error_feedback = error_feedback
-        self.update = update
-        self.split_every = split_every
+        self.update, self.split_every = update, split_every  # "auto" resolved in _init_shard
+        self._asked = (update, split)
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                         sparsity=sparsity)
         fields = dict(warmup_steps=warmup_steps, dense_every=dense_every, explore=explore,
@@ -156,7 +162,7 @@ class SCAPE(ShardedOptimizer):
         super().__init__(params, defaults, comm=comm, block_size=block_size,
                          max_grad_norm=max_grad_norm, grad_comm_dtype=grad_comm_dtype,
                          global_fields=fields)
-        self.rule = RULES[update]
+        self.rule = RULES[self.update]
         self.masks: list[_MaskState | None] = []
         self.diagnostics: list[dict[str, torch.Tensor]] = []
         for b in self.buckets:
@@ -180,8 +186,6 @@ class SCAPE(ShardedOptimizer):
         self.split_sparsity: dict[int, float] = {}
         """Sparsity each sparse group's last mask was made at (param group index -> value):
         the group's own ``sparsity``, or its share of the budget under ``split="gain"``."""
-        self.split: str | None = _resolve_split(split, update)
-        """The split in force: ``"gain"`` or None (``"auto"`` resolved)."""
         if self.split is not None and len(group_numels(self)) > 1:  # one group: no split
             self.meter = AgreementMeter(self)  # its EMA lives in the shards: checkpointed
             for s, mu in zip(self.shards, self.meter.mu):
@@ -198,7 +202,7 @@ class SCAPE(ShardedOptimizer):
         if not isinstance(global_fields["error_feedback"], bool):
             raise TypeError("Invalid error_feedback: expected a bool, got "
                             f"{type(global_fields['error_feedback']).__name__}")
-        if global_fields["update"] not in RULES:
+        if global_fields["update"] not in RULES and global_fields["update"] != "auto":
             raise ValueError(f"Invalid update rule: {global_fields['update']!r} (expected one "
                              f"of {sorted(RULES)})")
         warm = global_fields["warmup_steps"]
@@ -239,6 +243,9 @@ class SCAPE(ShardedOptimizer):
         return self.block_size if group["sparsity"] > 0 else DENSE_ALIGN
 
     def _init_shard(self, bucket: Bucket) -> ShardState:
+        if not hasattr(self, "split"):  # the first shard: every bucket is laid out
+            sparse = {b.group for b in self.buckets if self.param_groups[b.group]["sparsity"] > 0}
+            self.update, self.split = resolve(*self._asked, n_sparse_groups=len(sparse))
         master = bucket.param_flat[bucket.shard].to(torch.float32).clone()
         rule = RULES[self.update]
         return ShardState(master=master, m=torch.zeros_like(master),
@@ -468,14 +475,20 @@ class SCAPE(ShardedOptimizer):
 
 def _measures_noise(update: str) -> bool:
     """Whether the rule keeps the local noise estimate the gain is read from."""
-    return set(NOISE_STATE) <= set(RULES[update].extra)
+    return update == "auto" or set(NOISE_STATE) <= set(RULES[update].extra)
 
 
-def _resolve_split(split: str | None, update: str) -> str | None:
-    """``"auto"``: ``"gain"`` where the rule keeps the noise estimate, else None."""
+def resolve(update: str, split: str | None, n_sparse_groups: int) -> tuple[str, str | None]:
+    """The rule and the split ``update`` and ``split`` name (``"auto"`` resolved) for an
+    optimizer with ``n_sparse_groups`` sparse param groups (class docstring): with a split in
+    force (2 or more sparse groups) :data:`AUTO_SPLIT_RULE`, else :data:`AUTO_RULE`; a split by
+    gain wherever there are groups to split and the rule can read the gain."""
+    splitting = split in ("auto", "gain") and n_sparse_groups > 1
+    if update == "auto":
+        update = AUTO_SPLIT_RULE if splitting else AUTO_RULE
     if split == "auto":
-        return "gain" if _measures_noise(update) else None
-    return split
+        split = "gain" if splitting and _measures_noise(update) else None
+    return update, split
 
 
 def _fit_mask(mask: torch.Tensor | None, m: _MaskState,

@@ -12,6 +12,8 @@ import sys
 import pytest
 import torch
 
+from scape.optimizer import resolve
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -23,19 +25,26 @@ def _run(args: list[str], timeout: float) -> str:
     return proc.stdout
 
 
-def _library_bytes(sparsity: float, world: int,
-                   group_sparsity: dict[str, float] | None = None) -> tuple[int, int]:
+def _library_bytes(sparsity: float, world: int, group_sparsity: dict[str, float] | None = None,
+                   split: dict[str, float] | None = None,
+                   split_off: bool = False) -> tuple[int, int]:
     """(dense step, steady sparse step) bytes of scape.SCAPE on the tiny model's param groups,
-    from ``opt.last_step.bytes`` with a counting communicator playing rank 0 of ``world``."""
+    from ``opt.last_step.bytes`` with a counting communicator playing rank 0 of ``world``;
+    ``split``: each group's sparsity as a run's split left it (param group index as a string),
+    set by hand with the split off."""
     from bench.gpt import GPT, get_config, param_groups
     from bench.nullcomm import NullCommunicator
 
     model = GPT(get_config("tiny"), seed=0)
     groups = param_groups(model, 0.1, group_sparsity)
-    for g in groups:
+    for i, g in enumerate(groups):
         g.pop("name")
+        if split is not None:
+            g["sparsity"] = split[str(i)]
     opt = __import__("scape").SCAPE(groups, lr=1e-3, sparsity=sparsity, warmup_steps=1,
-                                    comm=NullCommunicator(world, 0))
+                                    comm=NullCommunicator(world, 0),
+                                    **({"split": None} if split is not None or split_off
+                                       else {}))
     x = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(0))
     sizes = []
     for _ in range(3):
@@ -80,24 +89,30 @@ def test_compare_smoke(tmp_path):
     first = {round(r["train_curve"][0], 5) for r in report["runs"]}
     assert len(first) == 1
     # the effective settings are recorded (library defaults included)
-    assert by["scape-0.99"]["optimizer_settings"]["warmup_steps"] == 2
-    assert by["scape-0.99"]["optimizer_settings"]["update"] == __import__("inspect").signature(
-        __import__("scape").SCAPE).parameters["update"].default
+    settings = by["scape-0.99"]["optimizer_settings"]
+    assert settings["warmup_steps"] == 2
+    # the defaults ("auto") resolved for two sparse groups (decay, no_decay): the gain split
+    assert (settings["update"], settings["split"]) == resolve("auto", "auto", 2)
+    assert settings["split"] == "gain" and set(settings["split_sparsity"]) == {"0", "1"}
     # bytes: DDP counts 2 x its fp32 gradient buckets; SCAPE's equal the library's own record
+    # of the same split, and the split keeps the budget of every group at 0.99
     assert by["adamw_ddp"]["bytes_per_step_total"] == 2 * 4 * by["adams"]["params"]
     dense, _ = _library_bytes(0.0, world)
-    _, sparse99 = _library_bytes(0.99, world)
+    _, sparse99 = _library_bytes(0.99, world, split={"0": 0.99, "1": 0.99})
     assert by["adams"]["bytes_per_step_total"] == dense
-    assert by["scape-0.99"]["bytes_per_step_total"] == sparse99
-    assert by["compute_only"]["bytes_per_step_total"] == sparse99
-    _, split = _library_bytes(0.99, world, {"embed": 0.9})
-    assert by["scape-0.99-embed0.9"]["bytes_per_step_total"] == split > sparse99
+    for name in ("scape-0.99", "compute_only"):
+        _, own = _library_bytes(0.99, world, split=by[name]["optimizer_settings"]["split_sparsity"])
+        assert by[name]["bytes_per_step_total"] == own == pytest.approx(sparse99, rel=0.02)
+    assert by["scape-0.99-embed0.9"]["optimizer_settings"].get("split") is None  # set by hand
+    _, embed = _library_bytes(0.99, world, {"embed": 0.9}, split_off=True)
+    assert by["scape-0.99-embed0.9"]["bytes_per_step_total"] == embed > sparse99
     assert by["scape-0.99"]["bytes_per_step"]["all_gather"] > 0
     # table rows and ratios
     table = {t["name"]: t for t in report["table"]}
     assert table["adams"]["val_ratio_to_adams"] == 1.0
     assert table["compute_only"]["step_ratio_to_compute_only"] == 1.0
-    assert table["scape-0.99"]["bytes_ratio_to_adams"] == pytest.approx(sparse99 / dense)
+    assert table["scape-0.99"]["bytes_ratio_to_adams"] == pytest.approx(
+        by["scape-0.99"]["bytes_per_step_total"] / dense)
     assert len(report["targets"]) == 6 and all(t["met"] in (True, False)
                                                for t in report["targets"])
     # profiler ranges of every SCAPE phase appear in the traces

@@ -12,7 +12,8 @@ from dist import run_ranks
 import scape
 from scape import allot as al
 from scape.comm import TorchCommunicator
-from scape.optimizer import block_budget
+from scape.optimizer import block_budget, resolve
+from scape.rules import RULES
 
 SP, BS, WARM = 0.97, 256, 5
 
@@ -120,6 +121,34 @@ def test_split_auto_follows_the_rule(update, want):
         assert opt.split_sparsity == {0: SP, 1: SP}
     else:
         assert opt.split_sparsity[0] < SP < opt.split_sparsity[1]
+
+
+@pytest.mark.parametrize("update,split,n,want", [
+    ("auto", "auto", 2, ("catchup_agree_trust2_accum", "gain")),
+    ("auto", "auto", 1, ("catchup_agree_trust4_accum", None)),
+    ("auto", None, 3, ("catchup_agree_trust4_accum", None)),
+    ("auto", "gain", 2, ("catchup_agree_trust2_accum", "gain")),
+    ("auto", "gain", 1, ("catchup_agree_trust4_accum", "gain")),  # asked for: kept, no meter
+    ("catchup_snr_accum", "auto", 2, ("catchup_snr_accum", "gain")),
+    ("catchup_sqrt_accum", "auto", 2, ("catchup_sqrt_accum", None)),
+    ("lazy", None, 2, ("lazy", None)),
+])
+def test_resolve_auto(update, split, n, want):
+    assert resolve(update, split, n_sparse_groups=n) == want
+
+
+def test_defaults_split_where_there_are_groups():
+    """The defaults: the gain split and c = 1/2 with two sparse groups; one sparse group (a
+    dense one beside it does not count) keeps c = 1/4 and no meter."""
+    opt, _ = _opt(0, update="auto", split="auto")
+    assert (opt.update, opt.split) == ("catchup_agree_trust2_accum", "gain")
+    assert opt.meter is not None and opt.rule is RULES["catchup_agree_trust2_accum"]
+    torch.manual_seed(0)
+    one = scape.SCAPE([{"params": [torch.nn.Parameter(torch.randn(3000))]},
+                       {"params": [torch.nn.Parameter(torch.randn(10))], "sparsity": 0.0}],
+                      lr=1e-3)
+    assert (one.update, one.split, one.meter) == ("catchup_agree_trust4_accum", None, None)
+    assert one.rule is RULES["catchup_agree_trust4_accum"]
 
 
 def test_split_with_one_sparse_group_keeps_no_meter():
