@@ -11,6 +11,7 @@ same model and W.
     python -m bench.step_compute                      # model "base", W=4, 30 timed steps
     python -m bench.step_compute --smoke
     python -m bench.step_compute --update catchup_agree_accum      # another sparse rule
+    python -m bench.step_compute --groups             # two param groups: the default splits
     python -m bench.step_compute --device cuda --model medium --world 8   # on a GPU
 
 On ``--device cuda`` the step runs the compiled Triton kernels; each timed step is bracketed
@@ -26,11 +27,12 @@ import json
 import os
 import statistics
 import time
+from typing import Any
 
 import torch
 
 import scape
-from bench.gpt import GPT, get_config, num_params
+from bench.gpt import GPT, get_config, num_params, param_groups
 from bench.nullcomm import NullCommunicator
 
 SCHEMA = "scape.step_compute/1"
@@ -42,27 +44,31 @@ OPTIMIZERS = {
 
 
 def build(model_name: str, world: int, kind: str, update: str | None = None,
-          device: str = "cpu") -> tuple[torch.optim.Optimizer, int]:
+          device: str = "cpu", groups: bool = False) -> tuple[torch.optim.Optimizer, int]:
     """One optimizer on a fresh model on ``device``; ``update`` picks the sparse rule
-    (default: the library's)."""
+    (default: the library's). ``groups``: the model's ``decay`` and ``no_decay`` param groups
+    (:func:`bench.gpt.param_groups`) instead of one group, so that SCAPE's default splits."""
     model = GPT(get_config(model_name), seed=0).to(device)
     comm = NullCommunicator(world, 0, device)
+    params: Any = model.parameters()
+    if groups:
+        params = [{k: v for k, v in g.items() if k != "name"} for g in param_groups(model, 0.1)]
     if kind == "dist_adamw":
-        return scape.DistributedAdamW(model.parameters(), lr=1e-3, comm=comm), num_params(model)
+        return scape.DistributedAdamW(params, lr=1e-3, comm=comm), num_params(model)
     kw = dict(OPTIMIZERS[kind], **({"update": update} if update else {}))
-    return scape.SCAPE(model.parameters(), lr=1e-3, comm=comm, **kw), num_params(model)
+    return scape.SCAPE(params, lr=1e-3, comm=comm, **kw), num_params(model)
 
 
 def time_steps(model_name: str, world: int, kinds: list[str], steps: int,
                warm: int, update: str | None = None, device: str = "cpu",
-               profile: str | None = None) -> list[dict]:
+               profile: str | None = None, groups: bool = False) -> list[dict]:
     """Median step time of each optimizer, their steps interleaved round-robin so that a
     change in machine load hits all of them alike (the ratios are what we report).
 
     ``profile``: a path; after the timed steps, three more steps of each optimizer run under
     ``torch.profiler`` and the per-op table (sorted by device time on a GPU, CPU time
     otherwise) is written there, one section per optimizer."""
-    built = {k: build(model_name, world, k, update, device) for k in kinds}
+    built = {k: build(model_name, world, k, update, device, groups) for k in kinds}
     gen = torch.Generator().manual_seed(0)
     grads = {k: [(torch.randn(b.n_pad, generator=gen) * 1e-2).to(device)
                  for b in opt.buckets]  # type: ignore[attr-defined]
@@ -87,7 +93,8 @@ def time_steps(model_name: str, world: int, kinds: list[str], steps: int,
         info = opt.last_step  # type: ignore[attr-defined]
         rows.append({"optimizer": k, "median_s": statistics.median(times[k]),
                      "min_s": min(times[k]), "dense_step": info.dense,
-                     "bytes": sum(info.bytes.values()), "params": n})
+                     "bytes": sum(info.bytes.values()), "params": n,
+                     "update": getattr(opt, "update", None), "split": getattr(opt, "split", None)})
     return rows
 
 
@@ -124,6 +131,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="also profile three steps of each optimizer; per-op table to PATH")
     ap.add_argument("--update", default=None, help="sparse rule of the SCAPE rows "
                     "(default: the library's default)")
+    ap.add_argument("--groups", action="store_true", help="decay and no_decay param groups "
+                    "(SCAPE's default then splits the budget by gain) instead of one group")
     args = ap.parse_args(argv)
     if args.smoke:
         args.model, args.world, args.steps = "tiny", 2, 3
@@ -132,7 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: torch.cuda.is_available() is False")
     rows = time_steps(args.model, args.world, [*OPTIMIZERS, "dist_adamw"], args.steps, warm=3,
-                      update=update, device=args.device, profile=args.profile)
+                      update=update, device=args.device, profile=args.profile,
+                      groups=args.groups)
     for r in rows:
         print(f"{r['optimizer']:12s} median {r['median_s'] * 1e3:8.2f} ms  "
               f"min {r['min_s'] * 1e3:8.2f} ms  bytes/step {r['bytes']:>10d}  "
@@ -143,7 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     ratio = rows[2]["ratio_to_dense_adams"]
     print(f"SCAPE-0.99 / dense sharded AdamS local compute: {ratio:.2f}x (target <= 1.5x)")
     report = {"schema": SCHEMA, "model": args.model, "world": args.world, "device": args.device,
-              "threads": args.threads, "steps": args.steps, "update": update, "rows": rows}
+              "threads": args.threads, "steps": args.steps, "groups": args.groups,
+              "update": rows[2]["update"], "split": rows[2]["split"], "rows": rows}
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1)

@@ -3,7 +3,6 @@ the null communicator they time with."""
 
 from __future__ import annotations
 
-import inspect
 import json
 import math
 import os
@@ -13,8 +12,8 @@ import sys
 import pytest
 import torch
 
-import scape
 from bench.nullcomm import NullCommunicator
+from scape.optimizer import resolve
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -204,7 +203,19 @@ def test_step_compute_smoke(tmp_path):
     assert rows["dense_adams"]["dense_step"] and not rows["scape_0.99"]["dense_step"]
     assert rows["scape_0.99"]["bytes"] < rows["scape_0.9"]["bytes"] < rows["dense_adams"]["bytes"]
     assert all(r["median_s"] > 0 for r in rows.values())
-    assert rep["update"] == inspect.signature(scape.SCAPE).parameters["update"].default
+    # one param group: the defaults resolve to the unsplit rule
+    assert (rep["update"], rep["split"]) == resolve("auto", "auto", 1)
+    assert rows["scape_0.99"]["update"] == rep["update"] and rows["dense_adams"]["split"] is None
+
+
+def test_step_compute_groups(tmp_path):
+    """``--groups``: decay and no_decay groups, where the defaults split by gain."""
+    rep = _run("bench.step_compute", str(tmp_path / "s.json"), "--groups")
+    assert rep["groups"] is True
+    assert (rep["update"], rep["split"]) == resolve("auto", "auto", 2) == (
+        "catchup_agree_trust2_accum", "gain")
+    rows = {r["optimizer"]: r for r in rep["rows"]}
+    assert rows["scape_0.99"]["bytes"] < rows["scape_0.9"]["bytes"] < rows["dense_adams"]["bytes"]
 
 
 def test_step_compute_update_option(tmp_path):
