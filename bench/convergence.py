@@ -98,6 +98,9 @@ def run_config(variant: dict[str, Any], w: Workload, world: int) -> RunConfig:
     if variant.get("ramp") and world > 1:
         raise ValueError(f"{variant['name']}: sparsity-ramp rows run in one process only "
                          "(bench.runner has no sparsity schedule)")
+    if variant.get("trust_lr") and world > 1:
+        raise ValueError(f"{variant['name']}: scheduled-bound rows run in one process only "
+                         "(bench.runner has no rule schedule)")
     if variant.get("allot") and world > 1:
         raise ValueError(f"{variant['name']}: automatic-split rows run in one process only "
                          "(bench.runner has no sparsity schedule)")
@@ -106,7 +109,7 @@ def run_config(variant: dict[str, Any], w: Workload, world: int) -> RunConfig:
                          "(bench.rotate is not wired into bench.runner)")
     kw = {k: v for k, v in variant.items()
           if k not in ("name", "optimizer", "lr", "sparsity", "group_sparsity", "allot",
-                       "allot_floor")}
+                       "allot_floor", "trust_lr")}
     kind, sparsity, eval_every = variant.get("optimizer"), variant.get("sparsity", 0.0), \
         w.eval_every
     if kind in LOCAL_SGD:
@@ -133,8 +136,12 @@ def build_optimizer(model: torch.nn.Module, variant: dict[str, Any], w: Workload
     kind = variant.get("optimizer", "scape")
     kw = {k: v for k, v in variant.items()
           if k not in ("name", "optimizer", "lr", "group_sparsity", "transform", "ramp",
-                       "allot", "allot_floor")}
+                       "allot", "allot_floor", "trust_lr")}
     groups = param_groups(model, w.weight_decay, variant.get("group_sparsity"))
+    if variant.get("allot"):  # the row's Allotment makes the split, not the optimizer
+        if variant.get("split") not in (None, "auto"):
+            raise ValueError(f"{variant['name']}: an -auto row cannot also set split")
+        kw["split"] = None
     rotated = None
     if variant.get("transform"):
         from bench.rotate import Rotated
@@ -166,6 +173,7 @@ def train(variant: dict[str, Any], w: Workload, corpus: Any, rank: int = 0, worl
     split = Allotment(opt, variant, w.steps) if variant.get("allot") else None
     history: list = [] if split is None else split.history
     gain: Any = getattr(opt, "split_gain", None)  # the optimizer's last reading (-split)
+    from scape.rules import agree_trust_rule
     for step in range(w.steps):
         for g, sp in zip(opt.param_groups, base):
             g["lr"] = lr_at(step, schedule)
@@ -173,6 +181,10 @@ def train(variant: dict[str, Any], w: Workload, corpus: Any, rank: int = 0, worl
                 g["sparsity"] = ramp_sparsity(variant, sp, step - warm, w.steps)
         if split is not None and step >= warm:
             split(step - warm)
+        if variant.get("trust_lr"):  # the bound moves with the lr: c_hi at the peak, c_lo at 0
+            c_hi, c_lo = variant["trust_lr"]
+            opt.rule = agree_trust_rule(c_lo + (c_hi - c_lo) * lr_at(step, schedule)
+                                        / variant["lr"])
         loss_acc = 0.0
         for micro in range(w.accum):
             x, y = batch_at(corpus.train, step * w.accum + micro, w.batch, w.seq, w.seed,

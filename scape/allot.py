@@ -26,6 +26,8 @@ sparsity) * sum n_g``: the same coordinates per step in total as every group at 
 (water-filling). ``power = 0`` is every group at ``sparsity``; a larger power favours the
 groups that read higher more.
 
+    opt = scape.SCAPE(groups, lr=3e-4, update="catchup_agree_trust2_accum",
+                      split=None)                 # the split is made here, not by opt
     meter, numels = AgreementMeter(opt), group_numels(opt)
     for t in range(steps):
         ...; loss.backward()
@@ -48,8 +50,11 @@ embedding's coordinates agree no more than the blocks', but its gain reads 2-5x 
 sparse step 600 on): 1.067x on four seeds, 76% of the hand-set split's gain. At overall
 sparsity 0.9847 (1/51.8 of dense bytes per sparse step) it gives 1.013x on seven seeds, as the
 embeddings set by hand to 0.9 do (1.012x). With the default rule it gave 1.118x at 99% overall (by
-hand 1.106x; one seed) and 1.055x at 0.9847 (two seeds; every group at 0.9841: 1.049x). A
-research tool, not a default.
+hand 1.106x; one seed) and 1.055x at 0.9847 (two seeds; every group at 0.9841: 1.049x).
+:class:`scape.SCAPE` runs the gain split at power 1 itself (``split="gain"``, the default where
+there are two or more sparse groups, with ``catchup_agree_trust2_accum``; hypothesis 18): the
+meter's EMA then lives in the shards and travels in checkpoints. The functions here are for
+other signals, powers, floors and schedules.
 
 Only groups built sparse take part (a group built with ``sparsity=0`` stays dense and out of
 the budget). Every rank computes the same split from the all-reduced means, so masks stay

@@ -18,7 +18,10 @@ A sparse group's ``sparsity`` may change between steps, like its ``lr`` (a spars
 group's value then, so a value set before ``opt.step()`` number t shapes the masks from step
 t+1 on. A mask carries its own ``k_b``; checkpoints restore the saved value as they restore
 ``lr``. A group built dense (``sparsity=0``) stays dense and a sparse one stays sparse: their
-buckets are laid out differently.
+buckets are laid out differently. Under the gain split (``split="gain"``, the default where
+there are two or more sparse groups) the groups' values set one budget, and each mask is made
+at the group's share of it (:attr:`SCAPE.split_sparsity`), re-read from the measured gain
+every ``split_every`` masks; every rank reads the same all-reduced gain.
 """
 
 from __future__ import annotations
@@ -89,9 +92,8 @@ class SCAPE(ShardedOptimizer):
     Args:
         params: parameters or param groups (groups may set ``lr``, ``betas``, ``eps``,
             ``weight_decay`` and ``sparsity``; a group with ``sparsity=0`` is always dense).
-            At 0.99, putting the embedding matrices (a tied output head among them) in a group
-            of their own at ``sparsity=0.9`` closes most of the gap that remains at short
-            budgets (README, "Give the embeddings their own group").
+            With the embedding matrices (a tied output head among them) in groups of their own,
+            the default splits one budget across the groups by measured gain (``split``).
         lr: learning rate (any torch LR scheduler may change it per group).
         betas: ``(beta1, beta2)`` of AdamS.
         eps: added to the AdamS denominator.
@@ -102,35 +104,37 @@ class SCAPE(ShardedOptimizer):
         dense_every: every n-th step is dense and flushes all residuals (0: never).
         explore: fraction of each block's budget chosen by age instead of ``|m|``.
         error_feedback: keep what was not sent in the gradient buffer for later steps.
-        update: the sparse-step rule, a key of :data:`scape.rules.RULES`. The default,
-            ``"catchup_agree_trust4_accum"``, selects by accumulated mass ``|m|*(age+1)``
-            and moves a coordinate the number of AdamS steps dense AdamS would have moved in
-            the ``age+1`` steps it missed (``(age+1)`` times its expected sign agreement,
-            from the owner's local noise estimate), capped at the larger of ``sqrt(age+1)``
-            and ``rms_b / (4 lr)`` (a quarter of its block's weight RMS). With every group at
-            0.99 it reaches dense AdamS at 8,000 steps (1.00x; 1.14x at 2,000), ties the best
-            at 0.9, holds up best at 3.3x the tuned lr and trains wherever the square-root
-            rule does on the toy sweeps (bench/README.md, hypotheses 10 and 12). It keeps 12
-            bytes of state per shard coordinate.
-            ``"catchup_agree_trust2_accum"`` (half the RMS) is better over short budgets
-            (1.12x at 2,000 steps on 4 seeds; 1.00-1.03x on 7 seeds with the embedding
-            matrices in their own group at 0.9) and worse over long ones (1.05x at 8,000) or
-            far above the tuned lr. ``"catchup_sqrt_accum"`` (no extra state, less local
-            compute) moves ``sqrt(age+1)`` steps. For quality at 0.99 over short budgets put
-            the embedding matrices (a tied head among them) in their own group at sparsity
-            0.9 or 0.95 (README, "Give the embeddings their own group"). ``"lazy"`` is
+        update: the sparse-step rule, a key of :data:`scape.rules.RULES`, or ``"auto"``
+            (default): ``"catchup_agree_trust2_accum"`` where the gain split is in force (2 or
+            more sparse groups), else ``"catchup_agree_trust4_accum"`` (:func:`resolve`;
+            :attr:`update` holds the rule in force). Both select by accumulated mass
+            ``|m|*(age+1)`` and move a coordinate the number of AdamS steps dense AdamS would
+            have moved in the ``age+1`` steps it missed (``(age+1)`` times its expected sign
+            agreement, from the owner's local noise estimate), capped at the larger of
+            ``sqrt(age+1)`` and ``rms_b / (2 lr)`` (half its block's weight RMS; a quarter,
+            ``rms_b / (4 lr)``, for ``trust4``). With the gain split the half bound meets the
+            0.99 goal at 2,000 steps (1.005-1.025x dense AdamS on 7 seeds, mean 1.013x, at
+            1/51.8 of dense bytes per sparse step), reaches dense AdamS at 8,000 (1.005x) and
+            holds up at 3.3x the tuned lr (1.048x); with every group at one sparsity the
+            quarter is the better one over long runs (1.00x at 8,000 steps against 1.05x),
+            above the tuned lr and on the toy sweeps (bench/README.md, hypotheses 12, 17 and
+            18). Both keep 12 bytes of state per shard coordinate. ``"catchup_sqrt_accum"``
+            (no extra state, less local compute) moves ``sqrt(age+1)`` steps. ``"lazy"`` is
             DESIGN §1's baseline. A group's ``sparsity`` may change between steps (module
             docstring).
-        split: how the sparse groups share their coordinates. ``None`` (default): each group
-            sends its own ``sparsity``. ``"gain"``: the groups' ``sparsity`` values only set
-            the budget (the coordinates per step of every group at its value), and the masks
-            split it in proportion to each group's measured gain, the loss decrease one step
-            of its coordinates is worth (:meth:`scape.allot.AgreementMeter.gain`; README,
-            "Or measure the split"). It needs a noise-sized rule (the ``catchup_agree*`` and
-            ``catchup_snr`` rules), keeps 4 more bytes per shard coordinate and adds one
-            blocking all-reduce of 2 floats per sparse group every ``split_every`` sparse
-            steps. :attr:`split_sparsity` holds the sparsity each group's next mask is made
-            at.
+        split: how the sparse groups share their coordinates. ``"gain"``: the groups'
+            ``sparsity`` values only set the budget (the coordinates per step of every group
+            at its value), and the masks split it in proportion to each group's measured gain,
+            the loss decrease one step of its coordinates is worth
+            (:meth:`scape.allot.AgreementMeter.gain`; README, "The split"). It needs a
+            noise-sized rule (the ``catchup_agree*`` and ``catchup_snr`` rules), keeps 4 more
+            bytes per shard coordinate and adds one blocking all-reduce of 2 floats per sparse
+            group every ``split_every`` sparse steps; one sparse group has nothing to share and
+            keeps no meter. ``None``: each group sends its own ``sparsity``. ``"auto"``
+            (default): ``"gain"`` where there are 2 or more sparse groups and the rule reads
+            the gain, else ``None``; :attr:`split` holds the split in force and
+            :attr:`split_sparsity` the sparsity each group's last mask was made at. Give each
+            matrix that may lag (token embedding, position embedding, head) a group of its own.
         split_every: sparse steps between two readings of the gain (``split="gain"``).
         max_grad_norm: clip the synchronized gradient to this norm (None: no clipping).
         grad_comm_dtype: dtype of gradients on the wire (float32, bfloat16, float16).

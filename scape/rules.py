@@ -34,6 +34,7 @@ each one measured are in bench/README.md ("Convergence and the quality research"
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable
 
@@ -283,6 +284,15 @@ def _noise_sized(update: UpdateFn) -> Rule:
     selection and the local-noise seams."""
     return Rule(update, accumulated_score, observe=observe_local_noise, extra=NOISE_STATE,
                 reset=reset_local_noise)
+
+
+def agree_trust_rule(c: float) -> Rule:
+    """The trust-bounded agreement rule at any bound ``c`` (``trust2``: 1/2, ``trust4``: 1/4):
+    all share their state, so an optimizer's ``rule`` may be swapped between them (a bound
+    scheduled with the learning rate, bench/README.md hypothesis 18)."""
+    if not (isinstance(c, (int, float)) and math.isfinite(c) and c > 0):
+        raise ValueError(f"agree_trust_rule: c must be a finite float > 0, got {c!r}")
+    return _noise_sized(functools.partial(catchup_snr, agree=True, trust=float(c)))
 
 
 RULES: dict[str, Rule] = {

@@ -373,7 +373,7 @@ def test_convergence_split_row():
                 update="catchup_agree_trust2_accum",
                 group_sparsity={"embed": 0.9, "pos": 0.9})
     split = train(dict(base, split="gain", split_every=5), w, corpus, log=False)
-    uniform = train(base, w, corpus, log=False)
+    uniform = train(dict(base, split=None), w, corpus, log=False)
     assert [h[0] for h in split["allot_history"]] == [0, 5, 10]
     for _, gain, sp in split["allot_history"]:
         assert set(gain) == set(sp) and len(sp) == 4
@@ -385,3 +385,12 @@ def test_convergence_split_row():
                                                            rel=0.05)
     assert split["bytes_per_sparse_step"] != uniform["bytes_per_sparse_step"]  # another split
     assert run_config(dict(base, split="gain"), w, 2).optimizer_kwargs["split"] == "gain"
+    # -trustlr: the bound follows the lr from c = 1/2 at the peak towards 1/4
+    (sched,) = variants([0.99], ["catchup_agree_trust2_accum-split-trustlr"])
+    assert sched["trust_lr"] == (0.5, 0.25) and sched["split"] == "gain"
+    scheduled = train(dict(base, split="gain", split_every=5, trust_lr=(0.5, 0.25)), w, corpus,
+                      log=False)
+    assert math.isfinite(scheduled["final_val_loss"])
+    assert scheduled["final_val_loss"] != split["final_val_loss"]  # the bound moved
+    with pytest.raises(ValueError, match="one process"):
+        run_config(dict(base, trust_lr=(0.5, 0.25)), w, 2)

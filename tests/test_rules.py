@@ -15,6 +15,7 @@ from scape.rules import (
     RULES,
     ShardState,
     accumulated_score,
+    agree_trust_rule,
     catchup_agree,
     catchup_agree_cap,
     catchup_agree_sqrt,
@@ -226,6 +227,34 @@ def test_bounded_agree_matches_float64(rule, bound):
     assert bool((moved < 0.9 * moved_free).any()), "the bound never bound"
     assert bool(torch.isclose(moved, moved_free, rtol=1e-5).any()), "the bound always bound"
     assert torch.equal(s.m[flat], free.m[flat])  # only the step length differs
+
+
+@pytest.mark.parametrize("c", [0.3, 0.5, 0.25, 2.0])
+def test_agree_trust_rule_is_the_trust_rule_at_any_bound(c):
+    """``agree_trust_rule(c)`` is the named rule at its bound (bit for bit) and the float64
+    reference at any other; it keeps the same state, so a rule may be swapped mid-run."""
+    s = _shard(41, extra=NOISE_STATE)
+    s.extra["s2"].mul_(1e-4)
+    s.master.view(3, BLOCK).mul_(torch.tensor([[1.0], [0.01], [0.1]]))
+    before = _clone(s)
+    idx = _mask(42, 3, 20)
+    g = torch.randn(60, generator=torch.Generator().manual_seed(43)) * 3
+    hp = dict(HP, world=4, weight_decay=0.0)
+    rule = agree_trust_rule(c)
+    rule.update(s, g, idx, BLOCK, hp, nan_empty(60))
+    named = {0.5: "catchup_agree_trust2_accum", 0.25: "catchup_agree_trust4_accum"}.get(c)
+    if named is not None:
+        ref = _clone(before)
+        RULES[named].update(ref, g, idx, BLOCK, hp, nan_empty(60))
+        assert torch.equal(s.master, ref.master) and torch.equal(s.m, ref.m)
+    p_ref, m_ref = _snr_f64(before, _flat(idx), g, hp, 0.0, agree=True, trust=c)
+    torch.testing.assert_close(s.master[_flat(idx)].double(), p_ref, rtol=1e-5, atol=1e-6)
+    base = RULES["catchup_agree_trust2_accum"]
+    assert (rule.extra, rule.score, rule.observe, rule.reset) == (
+        base.extra, base.score, base.observe, base.reset)
+    for bad in (0.0, -1.0, float("nan"), "0.5"):
+        with pytest.raises(ValueError, match="agree_trust_rule"):
+            agree_trust_rule(bad)
 
 
 @pytest.mark.parametrize("quiet_rule,noisy_rule,floor_power", [
