@@ -156,8 +156,11 @@ class SCAPE(ShardedOptimizer):
         self.dense_every = dense_every
         self.explore = explore
         self.error_feedback = error_feedback
-        self.update, self.split_every = update, split_every  # "auto" resolved in _init_shard
-        self._asked = (update, split)
+        self.update, self.split_every = update, split_every
+        self.split: str | None = None
+        """The split in force (``"auto"`` resolved), set with :attr:`update` when the first
+        shard is made, once every bucket is laid out (the resolution counts sparse groups)."""
+        self._asked: tuple[str, str | None] | None = (update, split)  # None once resolved
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                         sparsity=sparsity)
         fields = dict(warmup_steps=warmup_steps, dense_every=dense_every, explore=explore,
@@ -247,9 +250,10 @@ class SCAPE(ShardedOptimizer):
         return self.block_size if group["sparsity"] > 0 else DENSE_ALIGN
 
     def _init_shard(self, bucket: Bucket) -> ShardState:
-        if not hasattr(self, "split"):  # the first shard: every bucket is laid out
+        if self._asked is not None:  # the first shard: every bucket is laid out
             sparse = {b.group for b in self.buckets if self.param_groups[b.group]["sparsity"] > 0}
             self.update, self.split = resolve(*self._asked, n_sparse_groups=len(sparse))
+            self._asked = None
         master = bucket.param_flat[bucket.shard].to(torch.float32).clone()
         rule = RULES[self.update]
         return ShardState(master=master, m=torch.zeros_like(master),
@@ -364,7 +368,8 @@ class SCAPE(ShardedOptimizer):
                 if m is not None:
                     m.next, m.local, m.work = None, None, None
             return
-        self.split_sparsity = self._next_split()
+        with phase("scape/mask", self.buckets[0].device):  # the split is the masks' budget
+            self.split_sparsity = self._next_split()
         for i, (b, mask_state) in enumerate(zip(self.buckets, self.masks)):
             if mask_state is None:
                 continue

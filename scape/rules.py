@@ -290,7 +290,7 @@ def agree_trust_rule(c: float) -> Rule:
     """The trust-bounded agreement rule at any bound ``c`` (``trust2``: 1/2, ``trust4``: 1/4):
     all share their state, so an optimizer's ``rule`` may be swapped between them (a bound
     scheduled with the learning rate, bench/README.md hypothesis 18)."""
-    if not (isinstance(c, (int, float)) and math.isfinite(c) and c > 0):
+    if isinstance(c, bool) or not (isinstance(c, (int, float)) and math.isfinite(c) and c > 0):
         raise ValueError(f"agree_trust_rule: c must be a finite float > 0, got {c!r}")
     return _noise_sized(functools.partial(catchup_snr, agree=True, trust=float(c)))
 

@@ -252,7 +252,7 @@ def test_agree_trust_rule_is_the_trust_rule_at_any_bound(c):
     base = RULES["catchup_agree_trust2_accum"]
     assert (rule.extra, rule.score, rule.observe, rule.reset) == (
         base.extra, base.score, base.observe, base.reset)
-    for bad in (0.0, -1.0, float("nan"), "0.5"):
+    for bad in (0.0, -1.0, float("nan"), "0.5", True):
         with pytest.raises(ValueError, match="agree_trust_rule"):
             agree_trust_rule(bad)
 
