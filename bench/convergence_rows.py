@@ -179,11 +179,16 @@ def variants(sparsities: list[float], names: list[str] | None,
             # the gain split made by the optimizer itself (SCAPE(split="gain")): no Allotment
             rows.append(dict(base, name=f"{rule}-split@{sp}", update=rule,
                              group_sparsity={"embed": sp, "pos": sp}, split="gain"))
-        # hypothesis 18: the bound at c = 1/2 at the peak lr, falling with it towards 1/4
+        # hypothesis 18: the bound at c = 1/2 at the peak lr, falling with it towards 1/4; set
+        # by the row from the schedule's peak (-trustlr), or by the library's rule from the
+        # largest lr so far (catchup_agree_trustlr_accum-split)
         rows.append(dict(base, name=f"catchup_agree_trust2_accum-split-trustlr@{sp}",
                          update="catchup_agree_trust2_accum",
                          group_sparsity={"embed": sp, "pos": sp}, split="gain",
                          trust_lr=(0.5, 0.25)))
+        rows.append(dict(base, name=f"catchup_agree_trustlr_accum-split@{sp}",
+                         update="catchup_agree_trustlr_accum",
+                         group_sparsity={"embed": sp, "pos": sp}, split="gain"))
     if names:
         rows = [r for r in rows if r["name"].split("@")[0] in names]
     return rows

@@ -186,6 +186,8 @@ class SCAPE(ShardedOptimizer):
             Drift(self.rule.drift, b.param_flat) if m is not None and self.rule.drift else None
             for b, m in zip(self.buckets, self.masks)]
         """Replicated drift state per sparse bucket when the rule drifts (scape.drift)."""
+        self.lr_peak: dict[int, float] = {}
+        """The largest lr each param group has had in a step (see :meth:`_hp`)."""
         self.meter: AgreementMeter | None = None
         self.split_gain: dict[int, float] = {}
         """The gain last read per sparse group (``split="gain"``; a new dict per reading)."""
@@ -415,13 +417,23 @@ class SCAPE(ShardedOptimizer):
         return allot(self.split_gain, numels, 1.0 - density, self.block_size, power=1.0,
                      max_density=max(0.5, density))
 
+    def _hp(self, bucket: Bucket) -> dict:
+        """The group's hyperparameters, with ``lr_peak``: the largest lr it has had (read by
+        ``catchup_agree_trustlr``; kept per group and checkpointed)."""
+        hp = super()._hp(bucket)
+        peak = max(self.lr_peak.get(bucket.group, 0.0), hp["lr"])
+        self.lr_peak[bucket.group] = hp["lr_peak"] = peak
+        return hp
+
     def _counters(self) -> dict[str, Any]:
-        if self.meter is None:
-            return {}
-        return {"split_made": self._split_made, "split_weight": self.meter.weight,
-                "split_gain": dict(self.split_gain)}
+        out: dict[str, Any] = {"lr_peak": dict(self.lr_peak)}
+        if self.meter is not None:
+            out.update(split_made=self._split_made, split_weight=self.meter.weight,
+                       split_gain=dict(self.split_gain))
+        return out
 
     def _load_counters(self, counters: dict[str, Any]) -> None:
+        self.lr_peak = {int(g): float(v) for g, v in counters.get("lr_peak", {}).items()}
         if self.meter is None:
             return
         self._split_made = int(counters.get("split_made", 0))

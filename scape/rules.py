@@ -286,6 +286,24 @@ def _noise_sized(update: UpdateFn) -> Rule:
                 reset=reset_local_noise)
 
 
+TRUST_LR = (0.5, 0.25)
+"""``catchup_agree_trustlr``: the bound ``c`` at the peak lr and as the lr goes to 0."""
+
+
+def catchup_agree_trustlr(shard: ShardState, g: torch.Tensor, idx: torch.Tensor,
+                          block_size: int, hp: dict, model_out: torch.Tensor) -> None:
+    """:func:`catchup_agree_trust` with a bound that follows the learning rate: ``c = 1/4 +
+    1/4 * lr / lr_peak`` (half the RMS at the peak, towards a quarter as the schedule decays),
+    ``lr_peak`` the largest lr the group has had (``hp["lr_peak"]``, kept by
+    :class:`scape.SCAPE`; the current lr without it). Early in a run the half bound trains
+    faster, late the quarter ends lower (bench/README.md, hypothesis 18)."""
+    lr = hp["lr"]
+    hi, lo = TRUST_LR
+    frac = lr / max(hp.get("lr_peak", lr), lr) if lr > 0.0 else 1.0
+    catchup_snr(shard, g, idx, block_size, hp, model_out, agree=True,
+                trust=lo + (hi - lo) * frac)
+
+
 def agree_trust_rule(c: float) -> Rule:
     """The trust-bounded agreement rule at any bound ``c`` (``trust2``: 1/2, ``trust4``: 1/4):
     all share their state, so an optimizer's ``rule`` may be swapped between them (a bound
@@ -317,5 +335,6 @@ RULES: dict[str, Rule] = {
     "catchup_agree_trust_accum": _noise_sized(catchup_agree_trust),
     "catchup_agree_trust2_accum": _noise_sized(catchup_agree_trust2),
     "catchup_agree_trust4_accum": _noise_sized(catchup_agree_trust4),
+    "catchup_agree_trustlr_accum": _noise_sized(catchup_agree_trustlr),
 }
 """Sparse-step rules by the name passed as ``update=``."""

@@ -257,6 +257,28 @@ def test_agree_trust_rule_is_the_trust_rule_at_any_bound(c):
             agree_trust_rule(bad)
 
 
+@pytest.mark.parametrize("lr_peak,c", [(HP["lr"], 0.5), (2 * HP["lr"], 0.375),
+                                       (1e6 * HP["lr"], 0.25 + 0.25e-6), (None, 0.5)])
+def test_trustlr_bound_follows_the_lr(lr_peak, c):
+    """``catchup_agree_trustlr``: ``c = 1/4 + 1/4 * lr / lr_peak``, bit for bit the rule at
+    that fixed bound; without ``lr_peak`` the half bound."""
+    s = _shard(51, extra=NOISE_STATE)
+    s.extra["s2"].mul_(1e-4)
+    s.master.view(3, BLOCK).mul_(torch.tensor([[1.0], [0.01], [0.1]]))
+    before = _clone(s)
+    idx = _mask(52, 3, 20)
+    g = torch.randn(60, generator=torch.Generator().manual_seed(53)) * 3
+    hp = dict(HP, world=4, weight_decay=0.0, **({} if lr_peak is None else {"lr_peak": lr_peak}))
+    RULES["catchup_agree_trustlr_accum"].update(s, g, idx, BLOCK, hp, nan_empty(60))
+    ref = _clone(before)
+    agree_trust_rule(c).update(ref, g, idx, BLOCK, hp, nan_empty(60))
+    assert torch.equal(s.master, ref.master) and torch.equal(s.m, ref.m)
+    if c != 0.5:
+        half = _clone(before)
+        RULES["catchup_agree_trust2_accum"].update(half, g, idx, BLOCK, hp, nan_empty(60))
+        assert not torch.equal(s.master, half.master)  # the bound binds somewhere
+
+
 @pytest.mark.parametrize("quiet_rule,noisy_rule,floor_power", [
     (catchup_snr, catchup_snr_sqrt, 0.5),
     (catchup_agree, catchup_agree, 0.0),

@@ -204,6 +204,25 @@ def test_split_state_is_checkpointed_and_resumes_bit_exact():
         assert torch.equal(p, q)
 
 
+def test_lr_peak_is_kept_per_group_and_checkpointed():
+    """The optimizer hands every rule the largest lr each group has had (``hp["lr_peak"]``,
+    what ``catchup_agree_trustlr_accum`` scales its bound by) and saves it."""
+    opt, params = _opt(0, update="catchup_agree_trustlr_accum")
+    g = torch.Generator().manual_seed(14)
+    direction = torch.randn(3000, generator=g)
+    lrs = [1e-4, 5e-4, 1e-3, 4e-4, 2e-4, 1e-4, 3e-4, 2e-4, 1e-4]
+    for lr in lrs:
+        for grp in opt.param_groups:
+            grp["lr"] = lr
+        _run(opt, params, g, direction, 1)
+    assert opt.lr_peak == {0: 1e-3, 1: 1e-3, 2: 1e-3}
+    assert opt._hp(opt.buckets[0])["lr_peak"] == 1e-3
+    sd = opt.state_dict()
+    fresh, _ = _opt(1, update="catchup_agree_trustlr_accum")
+    fresh.load_state_dict(sd)
+    assert fresh.lr_peak == opt.lr_peak
+
+
 def test_split_state_loads_across_split_settings():
     """A checkpoint saved without a split loads into a splitting optimizer (its meter starts
     again) and one saved with a split loads into one that does not (the EMA is dropped)."""
