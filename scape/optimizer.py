@@ -401,7 +401,10 @@ class SCAPE(ShardedOptimizer):
         Under ``split="gain"`` the budget is read from the groups' ``sparsity`` at every mask
         (a schedule may move it) and split by the gain last read, which is read again every
         ``split_every`` masks (the first time at the first sparse mask, from the warm-up's
-        gradients). Every rank reads the same all-reduced gain: the masks stay consistent."""
+        gradients). Every rank reads the same all-reduced gain: the masks stay consistent. The
+        budget counts the coordinates the masks cover, padding blocks included (a mask picks
+        ``k_b`` in every block, padding or not), so the bytes per step stay those of every group
+        at its own sparsity up to each block's rounding, whatever the padding."""
         own = {b.group: float(self.param_groups[b.group]["sparsity"])
                for b, m in zip(self.buckets, self.masks) if m is not None}
         if self.meter is None:
@@ -409,7 +412,10 @@ class SCAPE(ShardedOptimizer):
         if self._split_made % self.split_every == 0 or not self.split_gain:
             self.split_gain = self.meter.gain()
         self._split_made += 1
-        numels = group_numels(self)
+        numels: dict[int, int] = {}  # the coordinates the masks cover, padding blocks included
+        for b, m in zip(self.buckets, self.masks):
+            if m is not None:
+                numels[b.group] = numels.get(b.group, 0) + m.n_blocks * self.block_size
         total = sum(numels.values())
         density = sum(numels[g] * (1.0 - own[g]) for g in numels) / total
         if density < 1.0 / self.block_size:  # under one coordinate per block: nothing to split

@@ -44,6 +44,15 @@ def _run(opt, params, g, direction, steps):
         opt.step()
 
 
+def _mask_numels(opt) -> dict[int, int]:
+    """Coordinates each sparse group's masks cover, padding blocks included."""
+    out: dict[int, int] = {}
+    for b, m in zip(opt.buckets, opt.masks):
+        if m is not None:
+            out[b.group] = out.get(b.group, 0) + m.n_blocks * BS
+    return out
+
+
 def _coords(opt, group: int) -> int:
     """Coordinates per step the group's current mask synchronizes."""
     return sum(m.current.numel() for b, m in zip(opt.buckets, opt.masks)
@@ -59,7 +68,7 @@ def test_split_follows_gain_and_keeps_the_budget(seed):
     meter = al.AgreementMeter(opt)  # a second meter, fed by hand: the reference
     g = torch.Generator().manual_seed(100 + seed)
     direction = torch.randn(3000, generator=g)
-    numels = al.group_numels(opt)
+    numels = _mask_numels(opt)
     for t in range(1, WARM + 12):
         _grads(params, g, direction)
         meter.observe()
@@ -80,6 +89,35 @@ def test_split_follows_gain_and_keeps_the_budget(seed):
     assert abs(sum(got.values()) - budget) <= sum(
         m.n_blocks for m in opt.masks if m is not None)  # half a coordinate per block, each
     assert got[0] / numels[0] > 2 * got[1] / numels[1]
+
+
+@pytest.mark.parametrize("world", [1, 4])
+def test_split_keeps_the_bytes_whatever_the_padding(world):
+    """A small group padded to whole blocks of W ranks (50 coordinates in 256 x W) takes a
+    larger share under the split; the budget counts the padding blocks too, so the coordinates
+    per step (the bytes) stay those of every group at SP, up to half a coordinate per block."""
+    from bench.nullcomm import NullCommunicator
+
+    sizes, budgets = {}, {}
+    for split in (None, "gain"):
+        torch.manual_seed(0)
+        big = torch.nn.Parameter(torch.randn(5000))
+        small = torch.nn.Parameter(torch.randn(50))
+        opt = scape.SCAPE([{"params": [big]}, {"params": [small]}], lr=1e-3, sparsity=SP,
+                          block_size=BS, warmup_steps=WARM, split=split,
+                          update="catchup_agree_trust2_accum", comm=NullCommunicator(world, 0))
+        gen = torch.Generator().manual_seed(15)
+        direction = torch.randn(50, generator=gen)
+        for _ in range(WARM + 2):
+            big.grad = torch.randn(5000, generator=gen)                     # noise
+            small.grad = direction + 0.01 * torch.randn(50, generator=gen)  # steady
+            opt.step()
+        n_blocks = sum(m.n_blocks for m in opt.masks if m is not None)
+        sizes[split], budgets[split] = opt.last_step.mask_size, (1 - SP) * n_blocks * BS
+        assert abs(sizes[split] - budgets[split]) <= n_blocks / 2, (split, sizes, budgets)
+        if split == "gain":
+            assert opt.split_sparsity[1] < 0.95 < SP < opt.split_sparsity[0]
+    assert budgets["gain"] == budgets[None]
 
 
 def test_split_reads_the_budget_from_the_groups_every_step():
