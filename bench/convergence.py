@@ -173,7 +173,6 @@ def train(variant: dict[str, Any], w: Workload, corpus: Any, rank: int = 0, worl
     split = Allotment(opt, variant, w.steps) if variant.get("allot") else None
     history: list = [] if split is None else split.history
     gain: Any = getattr(opt, "split_gain", None)  # the optimizer's last reading (-split)
-    from scape.rules import agree_trust_rule
     for step in range(w.steps):
         for g, sp in zip(opt.param_groups, base):
             g["lr"] = lr_at(step, schedule)
@@ -182,6 +181,8 @@ def train(variant: dict[str, Any], w: Workload, corpus: Any, rank: int = 0, worl
         if split is not None and step >= warm:
             split(step - warm)
         if variant.get("trust_lr"):  # the bound moves with the lr: c_hi at the peak, c_lo at 0
+            from scape.rules import agree_trust_rule
+
             c_hi, c_lo = variant["trust_lr"]
             opt.rule = agree_trust_rule(c_lo + (c_hi - c_lo) * lr_at(step, schedule)
                                         / variant["lr"])

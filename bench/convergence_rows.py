@@ -115,8 +115,9 @@ def variants(sparsities: list[float], names: list[str] | None,
     Per sparsity: every rule of :data:`scape.rules.RULES` at the default schedule, and the
     schedule variants (explore, warm-up, dense refresh, error feedback off) for both the
     plain ``lazy`` rule and ``catchup_accum`` (the library's default when those rows were
-    measured; ``catchup_agree_trust4_accum`` is now), the per-group sparsity rows of
-    :data:`GROUP_RULES` and the sparsity warm-up rows of :data:`RAMP_RULES`. A row is named
+    measured; ``catchup_agree_trust4_accum`` is now with one sparse group), the per-group
+    sparsity rows of :data:`GROUP_RULES` and the sparsity warm-up rows of :data:`RAMP_RULES`.
+    A row is named
     ``<rule>[-<schedule change>]@<sparsity>``. Every row sends each group at its own sparsity
     (``split=None``, whatever the optimizer's default) except the ``-split`` rows.
     """
