@@ -37,6 +37,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import math
 import os
 import secrets
 from pathlib import Path
@@ -231,6 +232,20 @@ def _check_tensor(where: str, t: Any, dtype: torch.dtype, shape: tuple[int, ...]
         raise CheckpointError(f"{where}: expected a {dtype} tensor of shape {shape}, got {got}")
 
 
+def _counter_ok(v: Any, nested: bool = True) -> bool:
+    """An optimizer counter: an int, a finite float, or (one level) a map of param group index
+    to one of those (SCAPE's ``lr_peak`` and gain split keep such maps)."""
+    if isinstance(v, bool):
+        return False
+    if isinstance(v, int):
+        return True
+    if isinstance(v, float):
+        return math.isfinite(v)
+    return nested and isinstance(v, dict) and all(
+        isinstance(k, int) and not isinstance(k, bool) and _counter_ok(x, nested=False)
+        for k, x in v.items())
+
+
 def validate_state(opt: Any, sd: dict[str, Any], rank: int, manifest: dict[str, Any]) -> None:
     """Check that old rank ``rank``'s state dict fits ``opt`` (dtypes, shapes, masks, groups)."""
     where = f"checkpoint rank {rank}"
@@ -247,9 +262,9 @@ def validate_state(opt: Any, sd: dict[str, Any], rank: int, manifest: dict[str, 
         raise CheckpointError(f"{where}: (world_size, rank, step, optimizer) is {got}, the "
                               f"manifest says {expect}")
     counters = sd.get("counters")
-    if not isinstance(counters, dict) or not all(isinstance(v, int)
-                                                 for v in counters.values()):
-        raise CheckpointError(f"{where}: counters must be a dict of ints, got {counters!r}")
+    if not isinstance(counters, dict) or not all(_counter_ok(v) for v in counters.values()):
+        raise CheckpointError(f"{where}: counters must be a dict of ints, finite floats or "
+                              f"{{param group: finite float}} maps, got {counters!r}")
     for i, saved in enumerate(sd["param_groups"]):  # as many as opt has (_check_structure)
         if not isinstance(saved, dict):
             raise CheckpointError(f"{where}: param group {i} is {type(saved).__name__}")

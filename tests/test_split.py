@@ -12,6 +12,7 @@ from dist import run_ranks
 import scape
 from scape import allot as al
 from scape.comm import TorchCommunicator
+from scape.io import CheckpointError, validate_state
 from scape.optimizer import block_budget, resolve
 from scape.rules import RULES
 
@@ -259,6 +260,34 @@ def test_lr_peak_is_kept_per_group_and_checkpointed():
     fresh, _ = _opt(1, update="catchup_agree_trustlr_accum")
     fresh.load_state_dict(sd)
     assert fresh.lr_peak == opt.lr_peak
+
+
+def test_split_state_travels_in_checkpoint_files(tmp_path):
+    """Through ``scape.save_checkpoint``/``load_checkpoint`` (files, validated on load): the
+    split's and ``lr_peak``'s float counters pass the validation and resume bit-exactly; a
+    corrupted counter is refused with nothing loaded."""
+    opt, params = _opt(0)
+    g = torch.Generator().manual_seed(16)
+    direction = torch.randn(3000, generator=g)
+    _run(opt, params, g, direction, WARM + 6)
+    path = scape.save_checkpoint(opt, tmp_path / "ckpt")
+    gen_state = g.get_state()
+    fresh, params2 = _opt(1)
+    assert scape.load_checkpoint(fresh, path) == opt.step_count
+    assert fresh.split_gain == opt.split_gain and fresh.lr_peak == opt.lr_peak
+    g2 = torch.Generator()
+    g2.set_state(gen_state)
+    _run(opt, params, g, direction, 5)
+    _run(fresh, params2, g2, direction, 5)
+    for p, q in zip(params, params2):
+        assert torch.equal(p, q)
+    sd = torch.load(next(path.glob("rank-*.pt")), weights_only=False)
+    manifest = dict(world_size=1, step=sd["step"], optimizer=sd["optimizer"])
+    validate_state(fresh, sd, 0, manifest)  # the float counters are valid
+    for bad in ({0: float("nan"), 1: 1.0}, {"0": 1.0}, "1.0", {0: {1: 1.0}}, True):
+        broken = dict(sd, counters=dict(sd["counters"], split_gain=bad))
+        with pytest.raises(CheckpointError, match="counters"):
+            validate_state(fresh, broken, 0, manifest)
 
 
 def test_split_state_loads_across_split_settings():
