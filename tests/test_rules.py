@@ -197,6 +197,18 @@ def test_catchup_agree_matches_float64(world, beta1, rule, floor):
     assert bool((moved > 0).all())
 
 
+def _binding_case(seed: int):
+    """A shard whose blocks' weight RMS is 1, 0.01 and 0.1 with little noise (so the agreement
+    rule catches up fully and a trust bound binds in some blocks), a mask and its gradient:
+    ``(shard, a copy of it, idx, g)``."""
+    s = _shard(seed, extra=NOISE_STATE)
+    s.extra["s2"].mul_(1e-4)
+    s.master.view(3, BLOCK).mul_(torch.tensor([[1.0], [0.01], [0.1]]))
+    idx = _mask(seed + 1, 3, 20)
+    g = torch.randn(60, generator=torch.Generator().manual_seed(seed + 2)) * 3
+    return s, _clone(s), idx, g
+
+
 @pytest.mark.parametrize("rule,bound", [
     (catchup_agree_cap, dict(cap=0.5)),
     (catchup_agree_trust, dict(trust=1.0)),
@@ -207,13 +219,8 @@ def test_bounded_agree_matches_float64(rule, bound):
     """The bounded agreement rules against float64; with little noise the agreement rule
     catches up fully, so the bound binds: per block the weights' RMS is 1, 0.01 and 0.1, and
     the trust bound ``rms / lr`` falls above, below and inside the range of ``a + 1``."""
-    s = _shard(31, extra=NOISE_STATE)
-    s.extra["s2"].mul_(1e-4)
-    s.master.view(3, BLOCK).mul_(torch.tensor([[1.0], [0.01], [0.1]]))
-    before = _clone(s)
-    idx = _mask(32, 3, 20)
+    s, before, idx, g = _binding_case(31)
     flat = _flat(idx)
-    g = torch.randn(60, generator=torch.Generator().manual_seed(33)) * 3
     hp = dict(HP, world=4, weight_decay=0.0)
     rule(s, g, idx, BLOCK, hp, nan_empty(60))
     p_ref, m_ref = _snr_f64(before, flat, g, hp, 0.0, agree=True, **bound)
@@ -233,12 +240,7 @@ def test_bounded_agree_matches_float64(rule, bound):
 def test_agree_trust_rule_is_the_trust_rule_at_any_bound(c):
     """``agree_trust_rule(c)`` is the named rule at its bound (bit for bit) and the float64
     reference at any other; it keeps the same state, so a rule may be swapped mid-run."""
-    s = _shard(41, extra=NOISE_STATE)
-    s.extra["s2"].mul_(1e-4)
-    s.master.view(3, BLOCK).mul_(torch.tensor([[1.0], [0.01], [0.1]]))
-    before = _clone(s)
-    idx = _mask(42, 3, 20)
-    g = torch.randn(60, generator=torch.Generator().manual_seed(43)) * 3
+    s, before, idx, g = _binding_case(41)
     hp = dict(HP, world=4, weight_decay=0.0)
     rule = agree_trust_rule(c)
     rule.update(s, g, idx, BLOCK, hp, nan_empty(60))
@@ -262,12 +264,7 @@ def test_agree_trust_rule_is_the_trust_rule_at_any_bound(c):
 def test_trustlr_bound_follows_the_lr(lr_peak, c):
     """``catchup_agree_trustlr``: ``c = 1/4 + 1/4 * lr / lr_peak``, bit for bit the rule at
     that fixed bound; without ``lr_peak`` the half bound."""
-    s = _shard(51, extra=NOISE_STATE)
-    s.extra["s2"].mul_(1e-4)
-    s.master.view(3, BLOCK).mul_(torch.tensor([[1.0], [0.01], [0.1]]))
-    before = _clone(s)
-    idx = _mask(52, 3, 20)
-    g = torch.randn(60, generator=torch.Generator().manual_seed(53)) * 3
+    s, before, idx, g = _binding_case(51)
     hp = dict(HP, world=4, weight_decay=0.0, **({} if lr_peak is None else {"lr_peak": lr_peak}))
     RULES["catchup_agree_trustlr_accum"].update(s, g, idx, BLOCK, hp, nan_empty(60))
     ref = _clone(before)
