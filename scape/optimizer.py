@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from scape import config
-from scape.allot import AgreementMeter, allot, group_numels
+from scape.allot import AgreementMeter, allot
 from scape.buffers import DENSE_ALIGN, Bucket
 from scape.checkpoint import load_sharded_state, sharded_state
 from scape.comm import Communicator
@@ -195,7 +195,13 @@ class SCAPE(ShardedOptimizer):
         self.split_sparsity: dict[int, float] = {}
         """Sparsity each sparse group's last mask was made at (param group index -> value):
         the group's own ``sparsity``, or its share of the budget under ``split="gain"``."""
-        if self.split is not None and len(group_numels(self)) > 1:  # one group: no split
+        self._mask_numels: dict[int, int] = {}
+        """Coordinates each sparse group's masks cover, padding blocks included (fixed)."""
+        for b, m in zip(self.buckets, self.masks):
+            if m is not None:
+                self._mask_numels[b.group] = self._mask_numels.get(b.group, 0) + \
+                    m.n_blocks * self.block_size
+        if self.split is not None and len(self._mask_numels) > 1:  # one group: no split
             self.meter = AgreementMeter(self)  # its EMA lives in the shards: checkpointed
             for s, mu in zip(self.shards, self.meter.mu):
                 if mu is not None:
@@ -412,10 +418,7 @@ class SCAPE(ShardedOptimizer):
         if self._split_made % self.split_every == 0 or not self.split_gain:
             self.split_gain = self.meter.gain()
         self._split_made += 1
-        numels: dict[int, int] = {}  # the coordinates the masks cover, padding blocks included
-        for b, m in zip(self.buckets, self.masks):
-            if m is not None:
-                numels[b.group] = numels.get(b.group, 0) + m.n_blocks * self.block_size
+        numels = self._mask_numels
         total = sum(numels.values())
         density = sum(numels[g] * (1.0 - own[g]) for g in numels) / total
         if density < 1.0 / self.block_size:  # under one coordinate per block: nothing to split
