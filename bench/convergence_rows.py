@@ -61,6 +61,12 @@ mask and every 100 after, applied from the mask it is read at (``-autog1`` from 
 after), its meter checkpointed, and it runs on more than one process too."""
 
 
+GAIN_RULES = ("catchup_agree_trust2_gain", "catchup_agree_trust4_gain")
+"""Hypothesis 19: the masks by each coordinate's fresh gain (:func:`scape.rules.gain_score`);
+``<rule>@<sp>`` every group at one sparsity (the embedding matrices in the decay group),
+``<rule>-split@<sp>`` the groups as the ``-split`` rows, split by the optimizer."""
+
+
 def ramp_sparsity(variant: dict[str, Any], base: float, sparse_step: int, steps: int) -> float:
     """A group's sparsity at sparse step ``sparse_step`` (0 = the first after the dense
     warm-up) of a ``-ramp`` row whose group is built at ``base``."""
@@ -178,6 +184,9 @@ def variants(sparsities: list[float], names: list[str] | None,
                                   f"-ramp{s0:g}x{f:g}@{sp}", allot_floor=fl, ramp=(s0, f))
                              for fl in FLOORS for s0, f in SHORT_RAMPS if s0 < sp]
             # the gain split made by the optimizer itself (SCAPE(split="gain")): no Allotment
+            rows.append(dict(base, name=f"{rule}-split@{sp}", update=rule,
+                             group_sparsity={"embed": sp, "pos": sp}, split="gain"))
+        for rule in GAIN_RULES:  # hypothesis 19: masks by fresh gain, with the split too
             rows.append(dict(base, name=f"{rule}-split@{sp}", update=rule,
                              group_sparsity={"embed": sp, "pos": sp}, split="gain"))
         # hypothesis 18: the bound at c = 1/2 at the peak lr, falling with it towards 1/4; set

@@ -260,13 +260,19 @@ def grad_stats(x: torch.Tensor) -> torch.Tensor:
 
 
 def noise_ema_(buf: torch.Tensor, prev: torch.Tensor, age: torch.Tensor, s2: torch.Tensor,
-               s2w: torch.Tensor, *, beta: float, error_feedback: bool) -> None:
-    """The EMA of the local gradient's square (see ``scape.kernels.noise_ema_``)."""
+               s2w: torch.Tensor, *, beta: float, error_feedback: bool,
+               mu: torch.Tensor | None = None) -> None:
+    """The EMA of the local gradient's square, and of the gradient itself if ``mu`` is given
+    (see ``scape.kernels.noise_ema_``)."""
     local = buf - prev.masked_fill_(age == 0, 0.0) if error_feedback else buf.clone()
     bad = ~torch.isfinite(local)
-    kept = (bad, s2[bad], s2w[bad]) if bool(bad.any()) else None  # not observations
+    states = (s2, s2w) if mu is None else (s2, s2w, mu)
+    kept = [t[bad] for t in states] if bool(bad.any()) else None  # not observations
     s2.mul_(beta).addcmul_(local, local, value=1.0 - beta)
     s2w.mul_(beta).add_(1.0 - beta)
+    if mu is not None:
+        mu.mul_(beta).add_(local, alpha=1.0 - beta)
     if kept is not None:
-        s2[kept[0]], s2w[kept[0]] = kept[1], kept[2]
+        for t, old in zip(states, kept):
+            t[bad] = old
     prev.copy_(buf)

@@ -10,7 +10,8 @@ No atomics, so the result is bitwise reproducible run to run.
 ``noise_ema_``: one elementwise pass, one program per ``TILE`` entries. Bytes: reads
 ``buf`` (4), ``prev`` (4), ``age`` (4), ``s2`` (4), ``s2w`` (4), writes ``s2``, ``s2w``,
 ``prev`` (12): 32 per entry (24 without error feedback, which reads neither ``prev`` nor
-``age``), where the same update as separate torch ops moves about 70.
+``age``), where the same update as separate torch ops moves about 70. With the optional
+first moment ``mu`` (the gain selection of scape.rules): 8 more (read and write ``mu``).
 """
 
 from __future__ import annotations
@@ -79,8 +80,8 @@ def grad_stats(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _noise_ema_kernel(p_buf, p_prev, p_age, p_s2, p_s2w, n, beta,
-                      ERROR_FEEDBACK: tl.constexpr, TILE: tl.constexpr):
+def _noise_ema_kernel(p_buf, p_prev, p_age, p_s2, p_s2w, p_mu, n, beta,
+                      ERROR_FEEDBACK: tl.constexpr, HAS_MU: tl.constexpr, TILE: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * TILE + tl.arange(0, TILE)
     m_n = offs < n
     b_buf = tl.load(p_buf + offs, mask=m_n, other=0.0)
@@ -96,6 +97,10 @@ def _noise_ema_kernel(p_buf, p_prev, p_age, p_s2, p_s2w, n, beta,
     tl.store(p_s2 + offs, tl.where(m_ok, b_s2 * beta + (1.0 - beta) * (b_local * b_local), b_s2),
              mask=m_n)
     tl.store(p_s2w + offs, tl.where(m_ok, b_s2w * beta + (1.0 - beta), b_s2w), mask=m_n)
+    if HAS_MU:
+        b_mu = tl.load(p_mu + offs, mask=m_n, other=0.0)
+        tl.store(p_mu + offs, tl.where(m_ok, b_mu * beta + (1.0 - beta) * b_local, b_mu),
+                 mask=m_n)
     tl.store(p_prev + offs, b_buf, mask=m_n)
 
 
@@ -104,22 +109,24 @@ NOISE_TILE = 2048
 
 def noise_ema_triton(buf: torch.Tensor, prev: torch.Tensor, age: torch.Tensor,
                      s2: torch.Tensor, s2w: torch.Tensor, beta: float,
-                     error_feedback: bool) -> None:
+                     error_feedback: bool, mu: torch.Tensor | None = None) -> None:
     """Launch :func:`_noise_ema_kernel` (arguments already validated)."""
     n = buf.numel()
     _noise_ema_kernel[(triton.cdiv(n, NOISE_TILE),)](
-        buf, prev, age, s2, s2w, n, beta, ERROR_FEEDBACK=error_feedback, TILE=NOISE_TILE,
-        num_warps=8)
+        buf, prev, age, s2, s2w, s2 if mu is None else mu, n, beta,
+        ERROR_FEEDBACK=error_feedback, HAS_MU=mu is not None, TILE=NOISE_TILE, num_warps=8)
 
 
 def noise_ema_(buf: torch.Tensor, prev: torch.Tensor, age: torch.Tensor, s2: torch.Tensor,
-               s2w: torch.Tensor, *, beta: float, error_feedback: bool) -> None:
+               s2w: torch.Tensor, *, beta: float, error_feedback: bool,
+               mu: torch.Tensor | None = None) -> None:
     """EMA of the square of a rank's own per-step gradient, in place (fp32 1-D tensors of one
     length; ``age`` int32)::
 
         local = buf - where(age == 0, 0, prev)    (buf itself without error feedback)
         s2  = beta * s2  + (1 - beta) * local^2
         s2w = beta * s2w + (1 - beta)             (s2 / s2w is unbiased from the first step)
+        mu  = beta * mu  + (1 - beta) * local     (only if mu is given; mu / s2w likewise)
         prev = buf
 
     ``buf`` is this step's gradient plus the residual the previous step left; ``prev`` the
@@ -129,17 +136,20 @@ def noise_ema_(buf: torch.Tensor, prev: torch.Tensor, age: torch.Tensor, s2: tor
     """
     check_tensor("buf", buf, dtypes=(torch.float32,), ndim=1)
     n = buf.numel()
-    for name, t in (("prev", prev), ("s2", s2), ("s2w", s2w)):
+    named = (("prev", prev), ("s2", s2), ("s2w", s2w)) + ((("mu", mu),) if mu is not None else ())
+    for name, t in named:
         check_tensor(name, t, dtypes=(torch.float32,), ndim=1)
         check_numel(name, t, n, "same length as buf")
     check_tensor("age", age, dtypes=(torch.int32,), ndim=1)
     check_numel("age", age, n, "same length as buf")
-    check_same_device(buf=buf, prev=prev, age=age, s2=s2, s2w=s2w)
+    check_same_device(buf=buf, prev=prev, age=age, s2=s2, s2w=s2w,
+                      **({"mu": mu} if mu is not None else {}))
     if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0.0 <= beta < 1.0:
         raise ValueError(f"beta must be a float in [0, 1), got {beta!r}")
     if n == 0:
         return
     if use_triton(buf):
-        return noise_ema_triton(buf, prev, age, s2, s2w, float(beta), bool(error_feedback))
+        return noise_ema_triton(buf, prev, age, s2, s2w, float(beta), bool(error_feedback),
+                                mu)
     reference.noise_ema_(buf, prev, age, s2, s2w, beta=float(beta),
-                         error_feedback=bool(error_feedback))
+                         error_feedback=bool(error_feedback), mu=mu)

@@ -385,7 +385,12 @@ class SCAPE(ShardedOptimizer):
             mask_state.k, mask_state.k_explore = block_budget(
                 self.split_sparsity[b.group], self.block_size, self.explore)
             with phase("scape/mask", b.device):
-                score = s.m if self.rule.score is None else self.rule.score(s)
+                if self.rule.score is None:
+                    score = s.m
+                elif self.rule.score_reads_hp:
+                    score = self.rule.score(s, self._hp(b))
+                else:
+                    score = self.rule.score(s)
                 idx = blockwise_topk(score, mask_state.k, self.block_size,
                                      age=s.age if mask_state.k_explore else None,
                                      k_explore=mask_state.k_explore)

@@ -19,7 +19,8 @@ sent, so a rule may change other coordinates of ``master`` only if every rank ca
 that change (otherwise the ranks' models drift apart).
 
 ``score(shard) -> Tensor`` (length S): the next mask takes, per block, the largest ``|score|``
-(default: the first moment ``m``, DESIGN §1 step 4).
+(default: the first moment ``m``, DESIGN §1 step 4). A rule with ``score_reads_hp`` gets the
+param group's hyperparameters too: ``score(shard, hp)``.
 
 Optional seams, each free of communication: ``observe(shard, buf, error_feedback)`` sees the
 owner's slice of its own gradient buffer at the start of every step (local statistics, kept
@@ -55,7 +56,8 @@ class ShardState:
 
 
 UpdateFn = Callable[[ShardState, torch.Tensor, torch.Tensor, int, dict, torch.Tensor], None]
-ScoreFn = Callable[[ShardState], torch.Tensor]
+ScoreFn = Callable[..., torch.Tensor]
+"""``score(shard)``, or ``score(shard, hp)`` for a rule with ``score_reads_hp``."""
 ObserveFn = Callable[[ShardState, torch.Tensor, bool], None]
 
 
@@ -78,6 +80,8 @@ class Rule:
     reset: Callable[[ShardState], None] | None = None
     """Called after a skipped step (non-finite gradient somewhere), whose residuals were
     cleared: what ``observe`` kept of the buffer no longer describes it."""
+    score_reads_hp: bool = False
+    """True: ``score(shard, hp)`` with the hyperparameters ``update`` gets (world size, betas)."""
 
 
 def mask_positions(idx: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -162,6 +166,49 @@ def reset_local_noise(shard: ShardState) -> None:
     """After a skipped step the residual is zero: the next buffer is that step's gradient
     alone, so the previous buffer to subtract is zero too."""
     shard.extra["prev"].zero_()
+
+
+GAIN_STATE = NOISE_STATE + ("mu",)
+"""The noise state plus ``mu``, the EMA of the owner's own per-step gradient
+(:func:`gain_score`)."""
+
+
+def observe_local_moments(shard: ShardState, buf: torch.Tensor, error_feedback: bool) -> None:
+    """:func:`observe_local_noise`, and the EMA of the local gradient itself in
+    ``extra["mu"]`` (same ``beta`` and weight ``s2w``; the same fused pass on a GPU)."""
+    ex = shard.extra
+    noise_ema_(buf, ex["prev"], shard.age, ex["s2"], ex["s2w"], beta=NOISE_BETA,
+               error_feedback=error_feedback, mu=ex["mu"])
+
+
+def gain_score(shard: ShardState, hp: dict) -> torch.Tensor:
+    """What sending a coordinate now is worth: its fresh gradient signal times the steps the
+    agreement rule would move it (hypothesis 19 in bench/README.md).
+
+    ``|m| * (age + 1)`` (:func:`accumulated_score`) ranks by the first moment of the
+    coordinate's last sync: stale for a coordinate not sent lately, and blind to noise, so a
+    large, noisy coordinate wins the mask again and again only to move about one step. Here
+    the signal comes from the owner's own fresh EMA ``mu`` of its per-step gradient
+    (:func:`observe_local_moments`): ``sig^2 = mean^2 - var (1 - beta) / (1 + beta)`` (the
+    EMA's own noise removed; ``mean = mu / s2w``, ``var = s2 / s2w - mean^2``, the per-rank
+    variance), and the score is ``sig * max(1, (age + 1) * erf(sig / (sigma_m sqrt 2)))``
+    with ``sigma_m^2 = var / W * (1 - beta1) / (1 + beta1)`` as :func:`catchup_agree`: the
+    loss decrease per unit lr of the catch-up the rule would make (its trust bound aside).
+    A coordinate whose per-step sign is a coin toss scores about its small ``sig``; it waits
+    for ``explore``. Per coordinate the split's gain (:meth:`scape.allot.AgreementMeter.gain`)
+    sizes the groups' budgets by; here it picks the coordinates inside a block. Five torch
+    passes over the shard (not fused).
+    """
+    ex = shard.extra
+    w = ex["s2w"].clamp(min=1e-12)
+    mean = ex["mu"] / w
+    var = (ex["s2"] / w).sub_(mean.square()).clamp_(min=0.0)
+    shrink = (1.0 - NOISE_BETA) / (1.0 + NOISE_BETA)
+    sig = mean.square_().sub_(var * shrink).clamp_(min=0.0).sqrt_()
+    var_m = var.mul_((1.0 - hp["beta1"]) / (1.0 + hp["beta1"]) / hp.get("world", 1))
+    frac = torch.special.erf(sig / var_m.mul_(2.0).add_(1e-30).sqrt_())
+    steps = frac.mul_(shard.age.float().add_(1.0)).clamp_(min=1.0)
+    return sig.mul_(steps)
 
 
 def catchup_snr(shard: ShardState, g: torch.Tensor, idx: torch.Tensor, block_size: int,
@@ -304,6 +351,12 @@ def catchup_agree_trustlr(shard: ShardState, g: torch.Tensor, idx: torch.Tensor,
                 trust=lo + (hi - lo) * frac)
 
 
+def _gain_selected(update: UpdateFn) -> Rule:
+    """A noise-sized rule whose masks take the coordinates of largest :func:`gain_score`."""
+    return Rule(update, gain_score, observe=observe_local_moments, extra=GAIN_STATE,
+                reset=reset_local_noise, score_reads_hp=True)
+
+
 def agree_trust_rule(c: float) -> Rule:
     """The trust-bounded agreement rule at any bound ``c`` (``trust2``: 1/2, ``trust4``: 1/4):
     all share their state, so an optimizer's ``rule`` may be swapped between them (a bound
@@ -336,5 +389,7 @@ RULES: dict[str, Rule] = {
     "catchup_agree_trust2_accum": _noise_sized(catchup_agree_trust2),
     "catchup_agree_trust4_accum": _noise_sized(catchup_agree_trust4),
     "catchup_agree_trustlr_accum": _noise_sized(catchup_agree_trustlr),
+    "catchup_agree_trust2_gain": _gain_selected(catchup_agree_trust2),
+    "catchup_agree_trust4_gain": _gain_selected(catchup_agree_trust4),
 }
 """Sparse-step rules by the name passed as ``update=``."""

@@ -170,9 +170,10 @@ def check_adams_sparse(before, after, g, idx, block_size, hp, weight_decay, catc
     assert torch.equal(age[outside], age0[outside] + 1)
 
 
-def noise_ema_f64(buf, prev0, age, s2_0, s2w_0, beta, error_feedback):
-    """``noise_ema_``'s ``(s2, s2w)`` in float64 from the inputs (all finite)."""
+def noise_ema_f64(buf, prev0, age, s2_0, s2w_0, beta, error_feedback, mu0=None):
+    """``noise_ema_``'s ``(s2, s2w)`` in float64 from the inputs (all finite), and ``mu``
+    after them if ``mu0`` is given."""
     local = buf.double() - (torch.where(age == 0, 0.0, prev0.double()) if error_feedback
                             else 0.0)
-    return (beta * s2_0.double() + (1 - beta) * local ** 2,
-            beta * s2w_0.double() + (1 - beta))
+    out = (beta * s2_0.double() + (1 - beta) * local ** 2, beta * s2w_0.double() + (1 - beta))
+    return out if mu0 is None else out + (beta * mu0.double() + (1 - beta) * local,)

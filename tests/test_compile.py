@@ -80,11 +80,13 @@ def _specs(dt: str) -> list[tuple[str, object, dict, dict, int]]:
         ("grad_stats finish", stats._grad_stats_finish_kernel,
          {"p_sumsq": "*fp32", "p_count": "*i32", "p_out": "*fp32", "n_parts": "i32",
           "PART_TILE": "constexpr"}, {"PART_TILE": stats.PART_TILE}, 4),
-        ("noise_ema_", stats._noise_ema_kernel,
-         {"p_buf": "*fp32", "p_prev": "*fp32", "p_age": "*i32", "p_s2": "*fp32",
-          "p_s2w": "*fp32", "n": "i32", "beta": "fp32", "ERROR_FEEDBACK": "constexpr",
-          "TILE": "constexpr"}, {"ERROR_FEEDBACK": True, "TILE": stats.NOISE_TILE}, 8),
     ]
+    specs += [(f"noise_ema_{' (+mu)' if has_mu else ''}", stats._noise_ema_kernel,
+               {"p_buf": "*fp32", "p_prev": "*fp32", "p_age": "*i32", "p_s2": "*fp32",
+                "p_s2w": "*fp32", "p_mu": "*fp32", "n": "i32", "beta": "fp32",
+                "ERROR_FEEDBACK": "constexpr", "HAS_MU": "constexpr", "TILE": "constexpr"},
+               {"ERROR_FEEDBACK": True, "HAS_MU": has_mu, "TILE": stats.NOISE_TILE}, 8)
+              for has_mu in (False, True)]
     return specs
 
 

@@ -229,22 +229,27 @@ def test_noise_ema_matches_float64(error_feedback):
     buf, prev0 = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
     age = torch.randint(0, 3, (n,), generator=gen, dtype=torch.int32)
     s2_0, s2w_0 = torch.rand(n, generator=gen), torch.rand(n, generator=gen)
+    mu0 = torch.randn(n, generator=gen)
     prev, s2, s2w = prev0.to(DEV, copy=True), s2_0.to(DEV, copy=True), s2w_0.to(DEV, copy=True)
+    mu = mu0.to(DEV, copy=True)
     kernels.noise_ema_(buf.to(DEV), prev, age.to(DEV), s2, s2w, beta=0.95,
-                       error_feedback=error_feedback)
-    want_s2, want_s2w = noise_ema_f64(buf, prev0, age, s2_0, s2w_0, 0.95, error_feedback)
+                       error_feedback=error_feedback, mu=mu)
+    want_s2, want_s2w, want_mu = noise_ema_f64(buf, prev0, age, s2_0, s2w_0, 0.95,
+                                               error_feedback, mu0)
     assert_close(_cpu(s2), want_s2, F32, "s2")
     assert_close(_cpu(s2w), want_s2w, F32, "s2w")
+    assert_close(_cpu(mu), want_mu, F32, "mu")
     assert torch.equal(_cpu(prev), buf)
-    # a non-finite entry is no observation: s2 and s2w keep their values there
-    s2_1, s2w_1 = _cpu(s2), _cpu(s2w)
+    # a non-finite entry is no observation: s2, s2w and mu keep their values there
+    s2_1, s2w_1, mu_1 = _cpu(s2), _cpu(s2w), _cpu(mu)
     bad = torch.randperm(n, generator=gen)[:5]
     buf[bad] = float("nan")
     kernels.noise_ema_(buf.to(DEV), prev, age.to(DEV), s2, s2w, beta=0.95,
-                       error_feedback=error_feedback)
-    s2_2, s2w_2 = _cpu(s2), _cpu(s2w)
+                       error_feedback=error_feedback, mu=mu)
+    s2_2, s2w_2, mu_2 = _cpu(s2), _cpu(s2w), _cpu(mu)
     assert torch.equal(s2_2[bad], s2_1[bad]) and torch.equal(s2w_2[bad], s2w_1[bad])
-    assert bool(torch.isfinite(s2_2).all())
+    assert torch.equal(mu_2[bad], mu_1[bad])
+    assert bool(torch.isfinite(s2_2).all()) and bool(torch.isfinite(mu_2).all())
 
 
 @pytest.mark.parametrize("bits", [2, 4, 8])

@@ -215,41 +215,54 @@ def test_grad_stats_is_deterministic(backend):
     assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("with_mu", [False, True], ids=["s2", "s2+mu"])
 @pytest.mark.parametrize("error_feedback", [True, False], ids=["ef", "no_ef"])
 @pytest.mark.parametrize("n", [pytest.param(256, id="n256"),
                                pytest.param(3 * 2048 + 77, id="n6221-tail")])
-def test_noise_ema(backend, n, error_feedback):
-    gen = seeded("noise", n, error_feedback)
+def test_noise_ema(backend, n, error_feedback, with_mu):
+    gen = seeded("noise", n, error_feedback, with_mu)
     buf = torch.randn(n, generator=gen)
     prev0 = torch.randn(n, generator=gen)
     age = torch.randint(0, 3, (n,), generator=gen, dtype=torch.int32)  # a third synced
     s2_0 = torch.rand(n, generator=gen)
     s2w_0 = torch.rand(n, generator=gen)
+    mu0 = torch.randn(n, generator=gen) if with_mu else None
     prev, s2, s2w = prev0.clone(), s2_0.clone(), s2w_0.clone()
+    mu = None if mu0 is None else mu0.clone()
     buf_before, age_before = buf.clone(), age.clone()
-    kernels.noise_ema_(buf, prev, age, s2, s2w, beta=0.95, error_feedback=error_feedback)
-    want_s2, want_s2w = noise_ema_f64(buf, prev0, age, s2_0, s2w_0, 0.95, error_feedback)
-    assert_close(s2, want_s2, F32, "s2")
-    assert_close(s2w, want_s2w, F32, "s2w")
+    kernels.noise_ema_(buf, prev, age, s2, s2w, beta=0.95, error_feedback=error_feedback,
+                       mu=mu)
+    want = noise_ema_f64(buf, prev0, age, s2_0, s2w_0, 0.95, error_feedback, mu0)
+    assert_close(s2, want[0], F32, "s2")
+    assert_close(s2w, want[1], F32, "s2w")
+    if mu is not None:
+        assert_close(mu, want[2], F32, "mu")
+        # the EMA of the local gradient: mu moved toward it wherever the two differed
+        local = buf - torch.where(age == 0, 0.0, prev0) if error_feedback else buf
+        moved = (mu - mu0).sign() == (local - mu0).sign()
+        assert bool(moved[(local - mu0).abs() > 1e-3].all())
     assert torch.equal(prev, buf), "prev must become buf"
     assert torch.equal(buf, buf_before) and torch.equal(age, age_before), "inputs written"
 
 
 def test_noise_ema_ignores_non_finite_entries(backend):
-    """A NaN or inf in the buffer (a step about to be skipped) is no observation: ``s2`` and
-    ``s2w`` keep their values there, the rest update, ``prev`` still becomes ``buf``."""
+    """A NaN or inf in the buffer (a step about to be skipped) is no observation: ``s2``,
+    ``s2w`` and ``mu`` keep their values there, the rest update, ``prev`` still becomes ``buf``."""
     n = 2 * 2048 + 5
     gen = seeded("noise-nonfinite")
     buf, prev = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
     age = torch.ones(n, dtype=torch.int32)
     s2, s2w = torch.rand(n, generator=gen), torch.rand(n, generator=gen)
+    mu = torch.randn(n, generator=gen)
     bad = torch.randperm(n, generator=gen)[:9]
     buf[bad[:3]], buf[bad[3:6]], prev[bad[6:]] = float("nan"), float("inf"), -float("inf")
-    s2_0, s2w_0 = s2.clone(), s2w.clone()
-    kernels.noise_ema_(buf, prev, age, s2, s2w, beta=0.95, error_feedback=True)
+    s2_0, s2w_0, mu_0 = s2.clone(), s2w.clone(), mu.clone()
+    kernels.noise_ema_(buf, prev, age, s2, s2w, beta=0.95, error_feedback=True, mu=mu)
     good = torch.ones(n, dtype=torch.bool)
     good[bad] = False
     assert torch.equal(s2[bad], s2_0[bad]) and torch.equal(s2w[bad], s2w_0[bad])
+    assert torch.equal(mu[bad], mu_0[bad])
     assert bool(torch.isfinite(s2).all()) and bool(torch.isfinite(s2w).all())
+    assert bool(torch.isfinite(mu).all())
     assert bool((s2w[good] != s2w_0[good]).all())
     assert torch.equal(prev.view(torch.int32), buf.view(torch.int32))

@@ -145,6 +145,13 @@ BAD = [
     ("noise-beta-one", lambda: kernels.noise_ema_(_f(), _f(), _age(), _f(), _f(), beta=1.0,
                                                   error_feedback=True),
      ValueError, ["beta", "1.0"]),
+    ("noise-mu-length", lambda: kernels.noise_ema_(_f(), _f(), _age(), _f(), _f(), beta=0.9,
+                                                   error_feedback=True, mu=_f(B)),
+     ValueError, ["mu", str(B), str(N)]),
+    ("noise-mu-bf16", lambda: kernels.noise_ema_(_f(), _f(), _age(), _f(), _f(), beta=0.9,
+                                                 error_feedback=True,
+                                                 mu=_f(dtype=torch.bfloat16)),
+     TypeError, ["mu", "float32", "bfloat16"]),
 ]
 
 

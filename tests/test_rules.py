@@ -77,7 +77,10 @@ def test_rule_invariants(name, k):
     assert not bool(out.isnan().any())
     assert torch.equal(out, s.master[flat].to(torch.bfloat16))
     assert bool((s.master[flat] != before.master[flat]).all())
-    score = s.m if rule.score is None else rule.score(s)
+    if rule.score is None:
+        score = s.m
+    else:
+        score = rule.score(s, HP) if rule.score_reads_hp else rule.score(s)
     assert score.shape == s.m.shape and bool(score.isfinite().all())
 
 
