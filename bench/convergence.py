@@ -264,6 +264,20 @@ def train_local(variant: dict[str, Any], w: Workload, world: int) -> dict[str, A
             "outer_settings": outer, "wall_s": res["wall_s"], "params": res["params"]}
 
 
+def train_ranks(variant: dict[str, Any], w: Workload, world: int) -> dict[str, Any]:
+    """A row on ``world`` gloo ranks through :mod:`bench.runner` (``--ranks``): each rank
+    sees its own ``batch / world`` sequences, so the rules' local statistics (the noise EMA,
+    the gain masks' mean) are those of a real run, not of the global batch."""
+    res = run(run_config(variant, w, world))
+    curve = res["train_curve"]
+    return {"variant": variant, "world": world, "final_val_loss": res["final_val_loss"],
+            "val_curve": res["val_curve"], "train_loss_last50": sum(curve[-50:]) / len(curve[-50:]),
+            "diagnostics": {}, "bytes_last_step": res["bytes_per_step"],
+            "bytes_per_step": res["bytes_per_step_mean_all_steps"],
+            "bytes_per_sparse_step": res["bytes_per_step_total"],  # median of the steady steps
+            "wall_s": res["wall_s"], "params": res["params"]}
+
+
 def dense_bytes_per_step(w: Workload, world: int) -> int:
     """Dense sharded AdamS's bytes per step per rank at ``world`` ranks on this model:
     ``N_pad * (4 + 4) + 8`` (fp32 reduce-scatter and all-gather of the padded flat buffers,
@@ -429,6 +443,10 @@ def main(argv: list[str] | None = None) -> int:
                          "[-b<bits>], diloco-h<H>, or 'all' (" + " ".join(LOCAL_ROWS) + ")")
     ap.add_argument("--world", type=int, default=None,
                     help="ranks of the local-step rows (default 4; 2 with --smoke)")
+    ap.add_argument("--ranks", type=int, default=0,
+                    help="train the ablation rows on this many gloo ranks (bench.runner), each "
+                         "fed batch/ranks sequences, instead of one process fed the global "
+                         "batch: the rules' local statistics are then a real run's")
     ap.add_argument("--local-lr", type=float, default=None,
                     help="inner AdamW lr of the local-step rows (default: the ablation's lr; "
                          "another value is added to the row names)")
@@ -497,8 +515,9 @@ def main(argv: list[str] | None = None) -> int:
                                   lr=adamw_lr), w, corpus))
     for v in variants(args.sparsity, args.variants, args.warmup):
         v["lr"] = lr
-        print(f"{v['name']} (lr {lr:g})", flush=True)
-        results.append(train(v, w, corpus))
+        print(f"{v['name']} (lr {lr:g}{f', {args.ranks} ranks' if args.ranks else ''})",
+              flush=True)
+        results.append(train_ranks(v, w, args.ranks) if args.ranks else train(v, w, corpus))
     for name in local_names:
         inner_lr = lr if args.local_lr is None else args.local_lr
         v = local_variant(name, inner_lr, label_lr=inner_lr != lr)

@@ -64,7 +64,8 @@ after), its meter checkpointed, and it runs on more than one process too."""
 GAIN_RULES = ("catchup_agree_trust2_gain", "catchup_agree_trust4_gain")
 """Hypothesis 19: the masks by each coordinate's fresh gain (:func:`scape.rules.gain_score`);
 ``<rule>@<sp>`` every group at one sparsity (the embedding matrices in the decay group),
-``<rule>-split@<sp>`` the groups as the ``-split`` rows, split by the optimizer."""
+``<rule>-split@<sp>`` the groups as the ``-split`` rows, split by the optimizer. The control
+``<rule>-explore1@<sp>`` takes every mask by age alone: each coordinate in turn."""
 
 
 def ramp_sparsity(variant: dict[str, Any], base: float, sparse_step: int, steps: int) -> float:
@@ -189,6 +190,9 @@ def variants(sparsities: list[float], names: list[str] | None,
         for rule in GAIN_RULES:  # hypothesis 19: masks by fresh gain, with the split too
             rows.append(dict(base, name=f"{rule}-split@{sp}", update=rule,
                              group_sparsity={"embed": sp, "pos": sp}, split="gain"))
+        for rule in ("catchup_agree_trust2_accum", "catchup_agree_trust2_gain"):
+            # its control: every coordinate in turn (the oldest first), no score at all
+            rows.append(dict(base, name=f"{rule}-explore1@{sp}", update=rule, explore=1.0))
         # hypothesis 18: the bound at c = 1/2 at the peak lr, falling with it towards 1/4; set
         # by the row from the schedule's peak (-trustlr), or by the library's rule from the
         # largest lr so far (catchup_agree_trustlr_accum-split)

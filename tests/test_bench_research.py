@@ -81,6 +81,25 @@ def test_convergence_transform_rows(tmp_path):
     assert rep["world_check"]["variant"].startswith("catchup_sqrt_accum@")
 
 
+def test_convergence_rows_on_ranks(tmp_path):
+    """--ranks 2 trains each row on 2 gloo ranks: a rule without local statistics ends where
+    one process fed the global batch does (the ablation's premise); the gain masks, which
+    read each rank's own gradient, run there too and send the same bytes."""
+    names = ["catchup_sqrt_accum", "catchup_agree_trust2_gain"]
+    args = ("--lr", "0.003", "--no-dense", "--variants", *names)
+    ranks = _run("bench.convergence", str(tmp_path / "r.json"), "--ranks", "2", *args)
+    one = _run("bench.convergence", str(tmp_path / "o.json"), *args)
+    by = {r["variant"]["name"]: r for r in one["results"]}
+    for r in ranks["results"]:
+        assert r["world"] == 2 and math.isfinite(r["final_val_loss"])
+        assert [s for s, _ in r["val_curve"]][-1] == ranks["workload"]["steps"]
+        assert 0 < r["bytes_per_sparse_step"] < r["bytes_per_step"]  # the dense warm-up
+    sqrt = ranks["results"][0]
+    assert sqrt["variant"]["name"].startswith("catchup_sqrt_accum@")
+    ref = by[sqrt["variant"]["name"]]["final_val_loss"]
+    assert abs(sqrt["final_val_loss"] / ref - 1.0) < 1e-3
+
+
 def test_convergence_no_dense_leaves_ratios_to_the_table(tmp_path):
     """--no-dense (a dense run going on in parallel): no dense row, no ratio recorded; the
     table refuses the file without --dense-loss and fills the ratios in with it, or with the
