@@ -8,7 +8,7 @@ two-level form in :mod:`scape.kernels.topk_torch`; ``SCAPE_KERNELS=triton|torch`
 from .moments import adams_dense_, adams_sparse_, adamw_dense_
 from .pack import absmax_scales, pack_values, packed_nbytes, unpack_values
 from .sparse import gather, scatter_, take_
-from .stats import grad_stats, noise_ema_
+from .stats import gain_score, grad_stats, noise_ema_
 from .topk import blockwise_topk
 
 __all__ = [
@@ -21,6 +21,7 @@ __all__ = [
     "adamw_dense_",
     "grad_stats",
     "noise_ema_",
+    "gain_score",
     "pack_values",
     "unpack_values",
     "packed_nbytes",

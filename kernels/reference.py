@@ -276,3 +276,15 @@ def noise_ema_(buf: torch.Tensor, prev: torch.Tensor, age: torch.Tensor, s2: tor
         for t, old in zip(states, kept):
             t[bad] = old
     prev.copy_(buf)
+
+
+def gain_score(mu: torch.Tensor, s2: torch.Tensor, s2w: torch.Tensor, age: torch.Tensor, *,
+               shrink: float, var_m_scale: float) -> torch.Tensor:
+    """What sending each coordinate now is worth (see ``scape.kernels.gain_score``; ``shrink``
+    and ``var_m_scale`` are its two factors, computed there)."""
+    w = s2w.clamp(min=1e-12)
+    mean = mu / w
+    var = (s2 / w).sub_(mean.square()).clamp_(min=0.0)
+    sig = mean.square_().sub_(var * shrink).clamp_(min=0.0).sqrt_()
+    frac = torch.special.erf(sig / var.mul_(2.0 * var_m_scale).add_(1e-30).sqrt_())
+    return sig.mul_(frac.mul_(age.float().add_(1.0)).clamp_(min=1.0))

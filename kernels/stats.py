@@ -12,6 +12,9 @@ No atomics, so the result is bitwise reproducible run to run.
 ``prev`` (12): 32 per entry (24 without error feedback, which reads neither ``prev`` nor
 ``age``), where the same update as separate torch ops moves about 70. With the optional
 first moment ``mu`` (the gain selection of scape.rules): 8 more (read and write ``mu``).
+
+``gain_score``: one elementwise pass over ``mu``, ``s2``, ``s2w``, ``age`` (16 bytes per entry
+read) writing the score (4): 20 bytes, where the same formula as torch ops moves about 100.
 """
 
 from __future__ import annotations
@@ -153,3 +156,66 @@ def noise_ema_(buf: torch.Tensor, prev: torch.Tensor, age: torch.Tensor, s2: tor
                                 mu)
     reference.noise_ema_(buf, prev, age, s2, s2w, beta=float(beta),
                          error_feedback=bool(error_feedback), mu=mu)
+
+
+@triton.jit
+def _gain_score_kernel(p_mu, p_s2, p_s2w, p_age, p_out, n, shrink, var_m_scale,
+                       TILE: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * TILE + tl.arange(0, TILE)
+    m_n = offs < n
+    b_w = tl.maximum(tl.load(p_s2w + offs, mask=m_n, other=1.0), 1e-12)
+    b_mean = tl.load(p_mu + offs, mask=m_n, other=0.0) / b_w
+    b_var = tl.maximum(tl.load(p_s2 + offs, mask=m_n, other=0.0) / b_w - b_mean * b_mean, 0.0)
+    b_sig = tl.sqrt(tl.maximum(b_mean * b_mean - b_var * shrink, 0.0))
+    b_frac = tl.math.erf(b_sig / tl.sqrt(b_var * (2.0 * var_m_scale) + 1e-30))
+    b_a1 = tl.load(p_age + offs, mask=m_n, other=0).to(tl.float32) + 1.0
+    tl.store(p_out + offs, b_sig * tl.maximum(b_frac * b_a1, 1.0), mask=m_n)
+
+
+GAIN_TILE = 2048
+
+
+def gain_score_triton(mu: torch.Tensor, s2: torch.Tensor, s2w: torch.Tensor,
+                      age: torch.Tensor, shrink: float, var_m_scale: float) -> torch.Tensor:
+    """Launch :func:`_gain_score_kernel` (arguments already validated)."""
+    n = mu.numel()
+    out = torch.empty_like(mu)
+    _gain_score_kernel[(triton.cdiv(n, GAIN_TILE),)](mu, s2, s2w, age, out, n, shrink,
+                                                     var_m_scale, TILE=GAIN_TILE, num_warps=8)
+    return out
+
+
+def gain_score(mu: torch.Tensor, s2: torch.Tensor, s2w: torch.Tensor, age: torch.Tensor, *,
+               beta: float, beta1: float, world: int) -> torch.Tensor:
+    """Per coordinate, what sending it now is worth (``scape.rules.gain_score``), a new fp32
+    tensor; the inputs are those :func:`noise_ema_` keeps (fp32 1-D, one length; ``age``
+    int32) and are not written::
+
+        mean  = mu / s2w,   var = max(s2 / s2w - mean^2, 0)      (s2w floored at 1e-12)
+        sig   = sqrt(max(mean^2 - var * (1 - beta) / (1 + beta), 0))
+        frac  = erf(sig / sqrt(2 var (1 - beta1) / (1 + beta1) / world + 1e-30))
+        score = sig * max(frac * (age + 1), 1)
+
+    ``beta`` is the EMAs' factor, ``beta1`` AdamS's, ``world`` the number of ranks (each
+    rank's gradient is one of ``world`` equal parts of the mean).
+    """
+    check_tensor("mu", mu, dtypes=(torch.float32,), ndim=1)
+    n = mu.numel()
+    for name, t in (("s2", s2), ("s2w", s2w)):
+        check_tensor(name, t, dtypes=(torch.float32,), ndim=1)
+        check_numel(name, t, n, "same length as mu")
+    check_tensor("age", age, dtypes=(torch.int32,), ndim=1)
+    check_numel("age", age, n, "same length as mu")
+    check_same_device(mu=mu, s2=s2, s2w=s2w, age=age)
+    for name, b in (("beta", beta), ("beta1", beta1)):
+        if isinstance(b, bool) or not isinstance(b, (int, float)) or not 0.0 <= b < 1.0:
+            raise ValueError(f"{name} must be a float in [0, 1), got {b!r}")
+    if isinstance(world, bool) or not isinstance(world, int) or world < 1:
+        raise ValueError(f"world must be an int >= 1, got {world!r}")
+    shrink = (1.0 - beta) / (1.0 + beta)
+    var_m_scale = (1.0 - beta1) / (1.0 + beta1) / world
+    if n == 0:
+        return torch.empty_like(mu)
+    if use_triton(mu):
+        return gain_score_triton(mu, s2, s2w, age, shrink, var_m_scale)
+    return reference.gain_score(mu, s2, s2w, age, shrink=shrink, var_m_scale=var_m_scale)

@@ -177,3 +177,25 @@ def noise_ema_f64(buf, prev0, age, s2_0, s2w_0, beta, error_feedback, mu0=None):
                             else 0.0)
     out = (beta * s2_0.double() + (1 - beta) * local ** 2, beta * s2w_0.double() + (1 - beta))
     return out if mu0 is None else out + (beta * mu0.double() + (1 - beta) * local,)
+
+
+def gain_score_f64(mu, s2, s2w, age, beta, beta1, world):
+    """``gain_score`` in float64, written out from its docstring."""
+    w = s2w.double().clamp(min=1e-12)
+    mean = mu.double() / w
+    var = (s2.double() / w - mean ** 2).clamp(min=0.0)
+    sig = (mean ** 2 - var * (1 - beta) / (1 + beta)).clamp(min=0.0).sqrt()
+    sigma_m = (2 * var * (1 - beta1) / (1 + beta1) / world + 1e-30).sqrt()
+    return sig * (torch.special.erf(sig / sigma_m) * (age.double() + 1)).clamp(min=1.0)
+
+
+def gain_inputs(gen, n):
+    """EMA state as :func:`noise_ema_` leaves it: a weight in (0.5, 1], a mean of either
+    sign, a variance from pure noise (mean 0) to none (a steady gradient), ages 0-299."""
+    w = torch.rand(n, generator=gen) * 0.5 + 0.5
+    mean = torch.randn(n, generator=gen) * 0.1
+    mean[::7] = 0.0
+    var = torch.rand(n, generator=gen) * 0.05
+    var[3::11] = 0.0
+    age = torch.randint(0, 300, (n,), generator=gen, dtype=torch.int32)
+    return mean * w, (var + mean ** 2) * w, w, age

@@ -32,6 +32,8 @@ from kernel_cases import (
     assert_close,
     check_adams_sparse,
     flat_positions,
+    gain_inputs,
+    gain_score_f64,
     make_scores,
     noise_ema_f64,
     random_mask,
@@ -250,6 +252,15 @@ def test_noise_ema_matches_float64(error_feedback):
     assert torch.equal(s2_2[bad], s2_1[bad]) and torch.equal(s2w_2[bad], s2w_1[bad])
     assert torch.equal(mu_2[bad], mu_1[bad])
     assert bool(torch.isfinite(s2_2).all()) and bool(torch.isfinite(mu_2).all())
+
+
+def test_gain_score_matches_float64():
+    n = (1 << 22) + 99
+    mu, s2, s2w, age = gain_inputs(seeded("cuda-gain"), n)
+    out = kernels.gain_score(mu.to(DEV), s2.to(DEV), s2w.to(DEV), age.to(DEV), beta=0.95,
+                             beta1=0.9, world=8)
+    want = gain_score_f64(mu, s2, s2w, age, 0.95, 0.9, 8)  # cancellation: see test_kernels_ops
+    torch.testing.assert_close(_cpu(out).double(), want, rtol=1e-4, atol=1e-6)
 
 
 @pytest.mark.parametrize("bits", [2, 4, 8])

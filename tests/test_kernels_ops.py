@@ -16,6 +16,8 @@ from kernel_cases import (
     assert_close,
     check_adams_sparse,
     flat_positions,
+    gain_inputs,
+    gain_score_f64,
     noise_ema_f64,
     random_mask,
     seeded,
@@ -243,6 +245,33 @@ def test_noise_ema(backend, n, error_feedback, with_mu):
         assert bool(moved[(local - mu0).abs() > 1e-3].all())
     assert torch.equal(prev, buf), "prev must become buf"
     assert torch.equal(buf, buf_before) and torch.equal(age, age_before), "inputs written"
+
+
+@pytest.mark.parametrize("world", [1, 8])
+@pytest.mark.parametrize("n", [pytest.param(256, id="n256"),
+                               pytest.param(3 * 2048 + 77, id="n6221-tail")])
+def test_gain_score(backend, n, world):
+    mu, s2, s2w, age = gain_inputs(seeded("gain", n, world), n)
+    before = [t.clone() for t in (mu, s2, s2w, age)]
+    out = nan_empty(n)
+    out.copy_(kernels.gain_score(mu, s2, s2w, age, beta=0.95, beta1=0.9, world=world))
+    want = gain_score_f64(mu, s2, s2w, age, 0.95, 0.9, world)
+    assert not bool(out.isnan().any()), "score not written"
+    # the signal is a difference of two squares: fp32 cancellation costs a few more ulps
+    torch.testing.assert_close(out.double(), want, rtol=1e-4, atol=1e-6)
+    assert all(torch.equal(a, b) for a, b in zip((mu, s2, s2w, age), before)), "inputs written"
+    # invariants: at least the signal, at most (age + 1) times it; 0 where the mean is 0
+    sig = gain_score_f64(mu, s2, s2w, torch.zeros_like(age), 0.95, 0.9, world)
+    assert bool((out.double() >= sig * (1 - 1e-5)).all())
+    assert bool((out.double() <= sig * (age.double() + 1) * (1 + 1e-5)).all())
+    assert bool((out[::7] == 0).all())
+
+
+def test_gain_score_empty(backend):
+    e = torch.empty(0)
+    out = kernels.gain_score(e, e, e, torch.empty(0, dtype=torch.int32), beta=0.95, beta1=0.9,
+                             world=2)
+    assert out.shape == (0,) and out.dtype == torch.float32
 
 
 def test_noise_ema_ignores_non_finite_entries(backend):
