@@ -122,14 +122,20 @@ def load_sharded_state(opt: Any, state: Any) -> list[dict[str, Any]]:
             e = entries[0]
             for name in _SHARD_TENSORS:
                 getattr(s, name).copy_(e[name])
-            for k, v in e["extra"].items():
-                s.extra[k].copy_(v)
+            for k in s.extra:  # what the rule keeps; the rest of the file's is dropped
+                if k in e["extra"]:
+                    s.extra[k].copy_(e["extra"][k])
+                else:  # a checkpoint of a rule that did not keep it: start from zero
+                    s.extra[k].zero_()
             b.grad_flat.copy_(e["residual"])
         else:
             for name in _SHARD_TENSORS:
                 getattr(s, name).copy_(_reshard([e[name] for e in entries], b))
             for k in s.extra:
-                s.extra[k].copy_(_reshard([e["extra"][k] for e in entries], b))
+                if all(k in e["extra"] for e in entries):
+                    s.extra[k].copy_(_reshard([e["extra"][k] for e in entries], b))
+                else:
+                    s.extra[k].zero_()
             residual = torch.stack([e["residual"].cpu()[:b.numel] for e in entries]).mean(0)
             b.grad_flat.copy_(_repad(residual, b.numel, b.n_pad).to(dev))
         extras.append({k: v.to(dev) for k, v in entries[0].items()

@@ -291,7 +291,9 @@ def validate_state(opt: Any, sd: dict[str, Any], rank: int, manifest: dict[str, 
         extra = e.get("extra")
         if not isinstance(extra, dict) or set(extra) != set(s.extra):
             raise CheckpointError(f"{at}: extra state {sorted(extra or {})} != "
-                                  f"{sorted(s.extra)}")
+                                  f"{sorted(s.extra)} (saved with another update rule or "
+                                  "split? build the optimizer with the update= and split= it "
+                                  "was saved with)")
         for k, t in extra.items():
             _check_tensor(f"{at}, {k}", t, s.extra[k].dtype, (shard,))
         for key in ("mask_next", "mask_current"):

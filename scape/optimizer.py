@@ -468,7 +468,11 @@ class SCAPE(ShardedOptimizer):
             for m, d in zip(self.masks, self.drifts)])
 
     def load_state_dict(self, state_dict: Any) -> None:  # type: ignore[override]
-        """Load this rank's ``state_dict()``, or a list of every old rank's (any world size)."""
+        """Load this rank's ``state_dict()``, or a list of every old rank's (any world size).
+
+        A state saved with another rule loads too: the per-coordinate statistics this rule
+        keeps and the state lacks start at zero (as at construction), those it does not keep
+        are dropped. (:func:`scape.io.load_checkpoint` refuses such files instead.)"""
         self.finish_param_sync()
         extras = load_sharded_state(self, self._fit_split_state(state_dict))
         for b, d, extra in zip(self.buckets, self.drifts, extras):

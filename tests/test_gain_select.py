@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import io
 import math
 
 import pytest
@@ -164,3 +165,42 @@ def test_gain_rules_are_registered_with_their_state():
         rule = RULES[name]
         assert rule.score is gain_score and rule.score_reads_hp
         assert rule.extra == GAIN_STATE and rule.observe is observe_local_moments
+
+
+def test_state_of_another_rule_loads():
+    """The defaults changed rule: a state saved by ``catchup_agree_trust4_accum`` loads into
+    a gain rule (its ``mu`` starts at zero, the noise EMA carries over) and back (``mu`` is
+    dropped)."""
+    p, old, g, sign = _problem(0, "catchup_agree_trust4_accum")
+    _train(p, old, g, sign, 8)
+    p2, new, g2, sign2 = _problem(0, "catchup_agree_trust2_gain")
+    _train(p2, new, g2, sign2, 8)
+    new.load_state_dict(old.state_dict())
+    assert torch.equal(new.shards[0].extra["s2"], old.shards[0].extra["s2"])
+    assert not bool(new.shards[0].extra["mu"].any())
+    _train(p2, new, g2, sign2, 3)  # and it trains on
+    assert bool(new.shards[0].extra["mu"].any()) and bool(torch.isfinite(p2).all())
+    p3, back, g3, sign3 = _problem(0, "catchup_agree_trust4_accum")
+    back.load_state_dict(new.state_dict())
+    assert set(back.shards[0].extra) == set(RULES["catchup_agree_trust4_accum"].extra)
+    assert torch.equal(back.shards[0].extra["s2"], new.shards[0].extra["s2"])
+
+
+def _save_body(rank: int, world: int) -> bytes:
+    p, opt, g, sign = _problem(0, "catchup_agree_trust4_accum", TorchCommunicator(), rank)
+    _train(p, opt, g, sign, 8)
+    buf = io.BytesIO()  # tensors cross the process boundary as bytes
+    torch.save(opt.state_dict(), buf)
+    return buf.getvalue()
+
+
+def test_state_of_another_rule_reshards():
+    """Two ranks' states of a rule without ``mu`` reshard onto one process with a gain rule."""
+    states = [torch.load(io.BytesIO(b), weights_only=False)
+              for b in run_ranks(_save_body, 2, timeout=120)]
+    p, opt, g, sign = _problem(0, "catchup_agree_trust2_gain")
+    opt.load_state_dict(states)
+    n = opt.buckets[0].numel
+    s2 = torch.cat([sd["buckets"][0]["extra"]["s2"] for sd in states])[:n]
+    assert torch.equal(opt.shards[0].extra["s2"][:n], s2)
+    assert not bool(opt.shards[0].extra["mu"].any())
