@@ -11,7 +11,7 @@ same model and W.
     python -m bench.step_compute                      # model "base", W=4, 30 timed steps
     python -m bench.step_compute --smoke
     python -m bench.step_compute --update catchup_agree_accum      # another sparse rule
-    python -m bench.step_compute --groups             # two param groups: the default splits
+    python -m bench.step_compute --groups             # two param groups (decay, no_decay)
     python -m bench.step_compute --device cuda --model medium --world 8   # on a GPU
 
 On ``--device cuda`` the step runs the compiled Triton kernels; each timed step is bracketed
@@ -47,7 +47,8 @@ def build(model_name: str, world: int, kind: str, update: str | None = None,
           device: str = "cpu", groups: bool = False) -> tuple[torch.optim.Optimizer, int]:
     """One optimizer on a fresh model on ``device``; ``update`` picks the sparse rule
     (default: the library's). ``groups``: the model's ``decay`` and ``no_decay`` param groups
-    (:func:`bench.gpt.param_groups`) instead of one group, so that SCAPE's default splits."""
+    (:func:`bench.gpt.param_groups`) instead of one group (with ``split="gain"`` and a rule
+    that takes its masks by accumulated mass, the budget is split by gain)."""
     model = GPT(get_config(model_name), seed=0).to(device)
     comm = NullCommunicator(world, 0, device)
     params: Any = model.parameters()
@@ -132,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--update", default=None, help="sparse rule of the SCAPE rows "
                     "(default: the library's default)")
     ap.add_argument("--groups", action="store_true", help="decay and no_decay param groups "
-                    "(SCAPE's default then splits the budget by gain) instead of one group")
+                    "instead of one group (a split in force then has groups to split)")
     args = ap.parse_args(argv)
     if args.smoke:
         args.model, args.world, args.steps = "tiny", 2, 3

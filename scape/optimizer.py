@@ -7,7 +7,8 @@ One sparse step t for one bucket (DESIGN §1; the mask ``M_t`` is already on eve
     one scalar all-reduce [|g|^2, non-finite count]  -> clip or skip, on every rank
     update      rule(shard, g, M_t[own rows])        -> new values at M_t (model dtype)
     all-gather  the new values (async)               -> scatter into every model
-    mask        M_{t+1} = per-block top-|m| (+ oldest by age) of the own shard
+    mask        M_{t+1} = per-block top-|score| (+ oldest by age) of the own shard
+                (score: the rule's; |m| in DESIGN §1, the fresh gain by default)
     all-gather  M_{t+1} (int16, async)               -> waited at step t+1's take
 
 Bytes per rank and sparse step: ``K * (b_g + b_p + 2)`` plus the 8-byte scalar all-reduce,
@@ -18,8 +19,9 @@ A sparse group's ``sparsity`` may change between steps, like its ``lr`` (a spars
 group's value then, so a value set before ``opt.step()`` number t shapes the masks from step
 t+1 on. A mask carries its own ``k_b``; checkpoints restore the saved value as they restore
 ``lr``. A group built dense (``sparsity=0``) stays dense and a sparse one stays sparse: their
-buckets are laid out differently. Under the gain split (``split="gain"``, the default where
-there are two or more sparse groups) the groups' values set one budget, and each mask is made
+buckets are laid out differently. Under the gain split (``split="gain"``; by default only
+with the ``*_accum`` agreement rules and two or more sparse groups) the groups' values set one
+budget, and each mask is made
 at the group's share of it (:attr:`SCAPE.split_sparsity`), re-read from the measured gain
 every ``split_every`` masks; every rank reads the same all-reduced gain.
 """
@@ -39,15 +41,13 @@ from scape.comm import Communicator
 from scape.drift import Drift
 from scape.kernels import adams_dense_, blockwise_topk, scatter_, take_
 from scape.profiling import phase
-from scape.rules import NOISE_STATE, RULES, ShardState, mask_positions
+from scape.rules import NOISE_STATE, RULES, ShardState, gain_score, mask_positions
 from scape.sharded import ShardedOptimizer, _Pending
 
-AUTO_RULE = "catchup_agree_trust4_accum"
-"""``update="auto"`` with one sparse group or no split: the rule that holds up over long runs
-and above the tuned lr with every group at one sparsity (bench/README.md, hypothesis 12)."""
-AUTO_SPLIT_RULE = "catchup_agree_trust2_accum"
-"""``update="auto"`` with the gain split in force: the pair that meets the 0.99 goal
-(bench/README.md, hypotheses 17 and 18)."""
+AUTO_RULE = "catchup_agree_trust2_gain"
+"""``update="auto"``: masks by each coordinate's fresh gain and the agreement catch-up at half
+the RMS; at 99% sparsity with every group at one sparsity it ends at dense AdamS's quality on
+the bundled workload (bench/README.md, hypothesis 19)."""
 
 SPLIT_STATE = "split_mu"
 """The ``shard.extra`` key of the gain meter's EMA under ``split="gain"``."""
@@ -92,8 +92,6 @@ class SCAPE(ShardedOptimizer):
     Args:
         params: parameters or param groups (groups may set ``lr``, ``betas``, ``eps``,
             ``weight_decay`` and ``sparsity``; a group with ``sparsity=0`` is always dense).
-            With the embedding matrices (a tied output head among them) in groups of their own,
-            the default splits one budget across the groups by measured gain (``split``).
         lr: learning rate (any torch LR scheduler may change it per group).
         betas: ``(beta1, beta2)`` of AdamS.
         eps: added to the AdamS denominator.
@@ -105,23 +103,21 @@ class SCAPE(ShardedOptimizer):
         explore: fraction of each block's budget chosen by age instead of ``|m|``.
         error_feedback: keep what was not sent in the gradient buffer for later steps.
         update: the sparse-step rule, a key of :data:`scape.rules.RULES`, or ``"auto"``
-            (default): ``"catchup_agree_trust2_accum"`` where the gain split is in force (2 or
-            more sparse groups), else ``"catchup_agree_trust4_accum"`` (:func:`resolve`;
-            :attr:`update` holds the rule in force). Both select by accumulated mass
-            ``|m|*(age+1)`` and move a coordinate the number of AdamS steps dense AdamS would
-            have moved in the ``age+1`` steps it missed (``(age+1)`` times its expected sign
-            agreement, from the owner's local noise estimate), capped at the larger of
-            ``sqrt(age+1)`` and ``rms_b / (2 lr)`` (half its block's weight RMS; a quarter,
-            ``rms_b / (4 lr)``, for ``trust4``). With the gain split the half bound meets the
-            0.99 goal at 2,000 steps (1.005-1.025x dense AdamS on 7 seeds, mean 1.013x, at
-            1/51.8 of dense bytes per sparse step), reaches dense AdamS at 8,000 (1.005x) and
-            holds up at 3.3x the tuned lr (1.048x); with every group at one sparsity the
-            quarter is the better one over long runs (1.00x at 8,000 steps against 1.05x),
-            above the tuned lr and on the toy sweeps (bench/README.md, hypotheses 12, 17 and
-            18). Both keep 12 bytes of state per shard coordinate. ``"catchup_sqrt_accum"``
-            (no extra state, less local compute) moves ``sqrt(age+1)`` steps. ``"lazy"`` is
-            DESIGN §1's baseline. A group's ``sparsity`` may change between steps (module
-            docstring).
+            (default): ``"catchup_agree_trust2_gain"`` (:data:`AUTO_RULE`; :attr:`update`
+            holds the rule in force). Its masks take, per block, the coordinates whose
+            sending is worth most now: the signal of the owner's fresh EMA of its own
+            gradient times the steps the catch-up would move them
+            (:func:`scape.rules.gain_score`). A sent coordinate moves the number of AdamS
+            steps dense AdamS would have moved in the ``age+1`` steps it missed (``(age+1)``
+            times its expected sign agreement, from the owner's local noise estimate), capped
+            at the larger of ``sqrt(age+1)`` and ``rms_b / (2 lr)`` (half its block's weight
+            RMS). At 99% sparsity with every group at one sparsity it ends at dense AdamS's
+            quality on the bundled workload (bench/README.md, hypothesis 19). It keeps 16
+            bytes of state per shard coordinate. ``"catchup_agree_trust2_accum"`` and
+            ``"catchup_agree_trust4_accum"`` (the defaults before) take their masks by
+            accumulated mass ``|m|*(age+1)`` instead; ``"catchup_sqrt_accum"`` (no extra
+            state, less local compute) moves ``sqrt(age+1)`` steps. ``"lazy"`` is DESIGN §1's
+            baseline. A group's ``sparsity`` may change between steps (module docstring).
         split: how the sparse groups share their coordinates. ``"gain"``: the groups'
             ``sparsity`` values only set the budget (the coordinates per step of every group
             at its value), and the masks split it in proportion to each group's measured gain,
@@ -131,10 +127,12 @@ class SCAPE(ShardedOptimizer):
             bytes per shard coordinate and adds one blocking all-reduce of 2 floats per sparse
             group every ``split_every`` sparse steps; one sparse group has nothing to share and
             keeps no meter. ``None``: each group sends its own ``sparsity``. ``"auto"``
-            (default): ``"gain"`` where there are 2 or more sparse groups and the rule reads
-            the gain, else ``None``; :attr:`split` holds the split in force and
-            :attr:`split_sparsity` the sparsity each group's last mask was made at. Give each
-            matrix that may lag (token embedding, position embedding, head) a group of its own.
+            (default): ``"gain"`` where there are 2 or more sparse groups and the rule sizes
+            its catch-up by the noise estimate but takes its masks by accumulated mass (the
+            ``*_accum`` agreement rules, with which the split meets the goal at 98.47%
+            overall), else ``None``: so ``None`` with the default rule, whose masks already
+            follow the gain. :attr:`split` holds the split in force and
+            :attr:`split_sparsity` the sparsity each group's last mask was made at.
         split_every: sparse steps between two readings of the gain (``split="gain"``).
         max_grad_norm: clip the synchronized gradient to this norm (None: no clipping).
         grad_comm_dtype: dtype of gradients on the wire (float32, bfloat16, float16).
@@ -517,16 +515,23 @@ def _measures_noise(update: str) -> bool:
     return update == "auto" or set(NOISE_STATE) <= set(RULES[update].extra)
 
 
+def _selects_by_gain(update: str) -> bool:
+    """Whether the rule's masks take each coordinate's fresh gain (:func:`rules.gain_score`)."""
+    return RULES[update].score is gain_score
+
+
 def resolve(update: str, split: str | None, n_sparse_groups: int) -> tuple[str, str | None]:
     """The rule and the split ``update`` and ``split`` name (``"auto"`` resolved) for an
-    optimizer with ``n_sparse_groups`` sparse param groups (class docstring): with a split in
-    force (2 or more sparse groups) :data:`AUTO_SPLIT_RULE`, else :data:`AUTO_RULE`; a split by
-    gain wherever there are groups to split and the rule can read the gain."""
-    splitting = split in ("auto", "gain") and n_sparse_groups > 1
+    optimizer with ``n_sparse_groups`` sparse param groups (class docstring): the rule
+    :data:`AUTO_RULE`; a split by gain only where there are groups to split and the rule
+    sizes its catch-up by the noise estimate but takes its masks by accumulated mass (a gain
+    rule already sends the coordinates worth sending: a split on top measured worse,
+    hypothesis 19)."""
     if update == "auto":
-        update = AUTO_SPLIT_RULE if splitting else AUTO_RULE
+        update = AUTO_RULE
     if split == "auto":
-        split = "gain" if splitting and _measures_noise(update) else None
+        split = "gain" if n_sparse_groups > 1 and _measures_noise(update) and \
+            not _selects_by_gain(update) else None
     return update, split
 
 

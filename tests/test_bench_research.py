@@ -228,11 +228,11 @@ def test_step_compute_smoke(tmp_path):
 
 
 def test_step_compute_groups(tmp_path):
-    """``--groups``: decay and no_decay groups, where the defaults split by gain."""
+    """``--groups``: decay and no_decay groups (the defaults: the gain masks, no split)."""
     rep = _run("bench.step_compute", str(tmp_path / "s.json"), "--groups")
     assert rep["groups"] is True
     assert (rep["update"], rep["split"]) == resolve("auto", "auto", 2) == (
-        "catchup_agree_trust2_accum", "gain")
+        "catchup_agree_trust2_gain", None)
     rows = {r["optimizer"]: r for r in rep["rows"]}
     assert rows["scape_0.99"]["bytes"] < rows["scape_0.9"]["bytes"] < rows["dense_adams"]["bytes"]
 

@@ -148,9 +148,11 @@ def test_split_off_uses_each_groups_own_sparsity():
 
 @pytest.mark.parametrize("update,want", [("catchup_agree_trust2_accum", "gain"),
                                           ("catchup_snr_accum", "gain"),
+                                          ("catchup_agree_trust2_gain", None),
                                           ("catchup_sqrt_accum", None), ("lazy", None)])
 def test_split_auto_follows_the_rule(update, want):
-    """``split="auto"`` splits by gain where the rule keeps the noise estimate, else not."""
+    """``split="auto"`` splits by gain where the rule keeps the noise estimate and takes its
+    masks by accumulated mass, else not (a gain rule's masks already follow the gain)."""
     opt, params = _opt(0, split="auto", update=update)
     assert opt.split == want
     assert (opt.meter is not None) == (want == "gain")
@@ -163,11 +165,14 @@ def test_split_auto_follows_the_rule(update, want):
 
 
 @pytest.mark.parametrize("update,split,n,want", [
-    ("auto", "auto", 2, ("catchup_agree_trust2_accum", "gain")),
-    ("auto", "auto", 1, ("catchup_agree_trust4_accum", None)),
-    ("auto", None, 3, ("catchup_agree_trust4_accum", None)),
-    ("auto", "gain", 2, ("catchup_agree_trust2_accum", "gain")),
-    ("auto", "gain", 1, ("catchup_agree_trust4_accum", "gain")),  # asked for: kept, no meter
+    ("auto", "auto", 2, ("catchup_agree_trust2_gain", None)),
+    ("auto", "auto", 1, ("catchup_agree_trust2_gain", None)),
+    ("auto", None, 3, ("catchup_agree_trust2_gain", None)),
+    ("auto", "gain", 2, ("catchup_agree_trust2_gain", "gain")),
+    ("auto", "gain", 1, ("catchup_agree_trust2_gain", "gain")),  # asked for: kept, no meter
+    ("catchup_agree_trust2_accum", "auto", 2, ("catchup_agree_trust2_accum", "gain")),
+    ("catchup_agree_trust4_accum", "auto", 1, ("catchup_agree_trust4_accum", None)),
+    ("catchup_agree_trust4_gain", "auto", 2, ("catchup_agree_trust4_gain", None)),
     ("catchup_snr_accum", "auto", 2, ("catchup_snr_accum", "gain")),
     ("catchup_sqrt_accum", "auto", 2, ("catchup_sqrt_accum", None)),
     ("lazy", None, 2, ("lazy", None)),
@@ -176,18 +181,19 @@ def test_resolve_auto(update, split, n, want):
     assert resolve(update, split, n_sparse_groups=n) == want
 
 
-def test_defaults_split_where_there_are_groups():
-    """The defaults: the gain split and c = 1/2 with two sparse groups; one sparse group (a
-    dense one beside it does not count) keeps c = 1/4 and no meter."""
+def test_defaults_take_masks_by_gain_and_do_not_split():
+    """The defaults: the gain masks and c = 1/2, with no split and no meter, whatever the
+    number of sparse groups (a dense group beside them does not count)."""
     opt, _ = _opt(0, update="auto", split="auto")
-    assert (opt.update, opt.split) == ("catchup_agree_trust2_accum", "gain")
-    assert opt.meter is not None and opt.rule is RULES["catchup_agree_trust2_accum"]
+    assert (opt.update, opt.split, opt.meter) == ("catchup_agree_trust2_gain", None, None)
+    assert opt.rule is RULES["catchup_agree_trust2_gain"]
+    assert all("mu" in s.extra and "split_mu" not in s.extra
+               for s, m in zip(opt.shards, opt.masks) if m is not None)
     torch.manual_seed(0)
     one = scape.SCAPE([{"params": [torch.nn.Parameter(torch.randn(3000))]},
                        {"params": [torch.nn.Parameter(torch.randn(10))], "sparsity": 0.0}],
                       lr=1e-3)
-    assert (one.update, one.split, one.meter) == ("catchup_agree_trust4_accum", None, None)
-    assert one.rule is RULES["catchup_agree_trust4_accum"]
+    assert (one.update, one.split, one.meter) == ("catchup_agree_trust2_gain", None, None)
 
 
 def test_split_with_one_sparse_group_keeps_no_meter():
