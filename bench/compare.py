@@ -18,8 +18,10 @@ token budget and LR schedule (:mod:`bench.runner`):
 A ``scape`` or ``compute_only`` name may end in ``-embed<sparsity>`` (e.g.
 ``scape-0.99-embed0.9``): the embedding matrices, the tied head among them, then form their own
 param group at that sparsity (the quality research's finding; bench/README.md), with the
-optimizer's own split off (``split=None``). Without it a ``scape`` row runs the library's
-defaults: its two sparse groups (``decay``, ``no_decay``) share the row's sparsity by gain.
+optimizer's own split off (``split=None``) and the rule of the research's split rows
+(``catchup_agree_trust2_accum``). Without it a ``scape`` row runs the library's defaults (the
+masks by fresh gain, ``catchup_agree_trust2_gain``), its two sparse groups (``decay``,
+``no_decay``) each at the row's sparsity.
 
 Opt-in local-step rows (:mod:`bench.local_sgd_opts`, AdamW inner optimizer at the same lr):
 ``sparseloco-h<H>-d<density>[-b<bits>]`` (``scape.SparseLoCo``, 2-bit values unless ``-b``
@@ -152,7 +154,7 @@ def make_configs(names: list[str], w: dict[str, Any], data: str | None, profile_
             kwargs = parse_local_name(name)[1]
         emb = embed_sparsity(name)
         if emb is not None:  # the split set by hand, as named: the optimizer's split off
-            kwargs["split"] = None
+            kwargs.update(split=None, update="catchup_agree_trust2_accum")
         cfgs.append(RunConfig(
             optimizer=opt, sparsity=sp if opt != "adams" else 0.0, optimizer_kwargs=kwargs,
             group_sparsity=None if emb is None else {"embed": emb},

@@ -51,9 +51,11 @@ sparse step 600 on): 1.067x on four seeds, 76% of the hand-set split's gain. At 
 sparsity 0.9847 (1/51.8 of dense bytes per sparse step) it gives 1.013x on seven seeds, as the
 embeddings set by hand to 0.9 do (1.012x). With the default rule it gave 1.118x at 99% overall (by
 hand 1.106x; one seed) and 1.055x at 0.9847 (two seeds; every group at 0.9841: 1.049x).
-:class:`scape.SCAPE` runs the gain split at power 1 itself (``split="gain"``, the default where
-there are two or more sparse groups, with ``catchup_agree_trust2_accum``; hypothesis 18): the
-meter's EMA then lives in the shards and travels in checkpoints. The functions here are for
+:class:`scape.SCAPE` runs the gain split at power 1 itself (``split="gain"``; hypothesis 18),
+by default where there are two or more sparse groups and the rule takes its masks by
+accumulated mass (``catchup_agree_trust2_accum``): the meter's EMA then lives in the shards and
+travels in checkpoints. The default rule since hypothesis 19 takes each coordinate's gain into
+its masks instead (:func:`scape.rules.gain_score`) and runs no split. The functions here are for
 other signals, powers, floors and schedules.
 
 Only groups built sparse take part (a group built with ``sparsity=0`` stays dense and out of
