@@ -196,9 +196,12 @@ def gain_score(shard: ShardState, hp: dict) -> torch.Tensor:
     with ``sigma_m^2 = var / W * (1 - beta1) / (1 + beta1)`` as :func:`catchup_agree`: the
     loss decrease per unit lr of the catch-up the rule would make (its trust bound aside).
     A coordinate whose per-step sign is a coin toss scores about its small ``sig``; it waits
-    for ``explore``. Per coordinate the split's gain (:meth:`scape.allot.AgreementMeter.gain`)
-    sizes the groups' budgets by; here it picks the coordinates inside a block. One fused
-    pass on a GPU (:func:`scape.kernels.gain_score`, 20 bytes per coordinate).
+    for ``explore``. The owner's mean is that of its own share of the batch, so the reading
+    is noisier the more ranks share it (measured on 4 ranks; one process fed the global
+    batch reads it better than any rank could). What the split
+    (:meth:`scape.allot.AgreementMeter.gain`) sizes the groups' budgets by, per coordinate,
+    here picks the coordinates inside a block. One fused pass on a GPU
+    (:func:`scape.kernels.gain_score`, 20 bytes per coordinate).
     """
     ex = shard.extra
     return kernel_gain_score(ex["mu"], ex["s2"], ex["s2w"], shard.age, beta=NOISE_BETA,
@@ -345,6 +348,29 @@ def catchup_agree_trustlr(shard: ShardState, g: torch.Tensor, idx: torch.Tensor,
                 trust=lo + (hi - lo) * frac)
 
 
+def gain_score_residual(shard: ShardState, hp: dict) -> torch.Tensor:
+    """:func:`gain_score` whose mean also reads the owner's own gradient summed since the
+    coordinate was last sent (with error feedback: ``extra["prev"]``, this step's buffer,
+    holds ``age`` of the owner's per-step gradients at an unsent coordinate): the EMA's mean
+    covers about ``(1 + beta) / (1 - beta)`` (39) steps, the sum all ``age`` of the wait, so a
+    weak but steady gradient shows in it the longer it waits, where the EMA's reading stays
+    at noise (hypothesis 20). The two means are weighted by the steps they cover,
+    ``mean = (39 * ema + age * sum / age) / (39 + age)``, its noise taken as
+    ``var / (39 + age)``; the rest as :func:`gain_score`. Torch passes (not fused)."""
+    ex = shard.extra
+    w = ex["s2w"].clamp(min=1e-12)
+    ema = ex["mu"] / w
+    var = (ex["s2"] / w).sub_(ema.square()).clamp_(min=0.0)
+    span = (1.0 + NOISE_BETA) / (1.0 - NOISE_BETA)
+    age = shard.age.float()
+    waited = torch.where(shard.age > 0, ex["prev"], 0.0)  # the sent coordinates: nothing yet
+    mean = ema.mul_(span).add_(waited).div_(age + span)
+    sig = mean.square_().sub_(var / (age + span)).clamp_(min=0.0).sqrt_()
+    var_m = var.mul_((1.0 - hp["beta1"]) / (1.0 + hp["beta1"]) / hp.get("world", 1))
+    frac = torch.special.erf(sig / var_m.mul_(2.0).add_(1e-30).sqrt_())
+    return sig.mul_(frac.mul_(age.add_(1.0)).clamp_(min=1.0))
+
+
 def _gain_selected(update: UpdateFn) -> Rule:
     """A noise-sized rule whose masks take the coordinates of largest :func:`gain_score`."""
     return Rule(update, gain_score, observe=observe_local_moments, extra=GAIN_STATE,
@@ -385,5 +411,9 @@ RULES: dict[str, Rule] = {
     "catchup_agree_trustlr_accum": _noise_sized(catchup_agree_trustlr),
     "catchup_agree_trust2_gain": _gain_selected(catchup_agree_trust2),
     "catchup_agree_trust4_gain": _gain_selected(catchup_agree_trust4),
+    "catchup_agree_trust2_gainr": dataclasses.replace(_gain_selected(catchup_agree_trust2),
+                                                      score=gain_score_residual),
+    "catchup_agree_trust4_gainr": dataclasses.replace(_gain_selected(catchup_agree_trust4),
+                                                      score=gain_score_residual),
 }
 """Sparse-step rules by the name passed as ``update=``."""

@@ -12,7 +12,15 @@ from dist import run_ranks
 
 import scape
 from scape.comm import TorchCommunicator
-from scape.rules import GAIN_STATE, NOISE_BETA, RULES, ShardState, gain_score, observe_local_moments
+from scape.rules import (
+    GAIN_STATE,
+    NOISE_BETA,
+    RULES,
+    ShardState,
+    gain_score,
+    gain_score_residual,
+    observe_local_moments,
+)
 
 HP = dict(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.0, world=4)
 
@@ -204,3 +212,32 @@ def test_state_of_another_rule_reshards():
     s2 = torch.cat([sd["buckets"][0]["extra"]["s2"] for sd in states])[:n]
     assert torch.equal(opt.shards[0].extra["s2"][:n], s2)
     assert not bool(opt.shards[0].extra["mu"].any())
+
+
+def test_residual_gain_score_matches_float64_and_reads_the_wait():
+    """``gain_score_residual`` in float64 from its docstring; and a weak steady gradient that
+    the EMA reads as noise (score 0 by ``gain_score``) scores above 0 once its summed wait
+    shows it."""
+    s = _state(5)
+    s.extra["prev"] = torch.randn(s.m.numel(), generator=torch.Generator().manual_seed(9))
+    hp = dict(HP)
+    got = torch.full_like(s.m, float("nan"))
+    got.copy_(gain_score_residual(s, hp))
+    ex = {k: v.double() for k, v in s.extra.items()}
+    age = s.age.double()
+    ema = ex["mu"] / ex["s2w"]
+    var = (ex["s2"] / ex["s2w"] - ema ** 2).clamp(min=0.0)
+    span = (1 + NOISE_BETA) / (1 - NOISE_BETA)
+    mean = (span * ema + torch.where(s.age > 0, ex["prev"], 0.0)) / (age + span)
+    sig = (mean ** 2 - var / (age + span)).clamp(min=0.0).sqrt()
+    sigma_m = (2 * var * (1 - hp["beta1"]) / (1 + hp["beta1"]) / hp["world"] + 1e-30).sqrt()
+    want = sig * (torch.special.erf(sig / sigma_m) * (age + 1)).clamp(min=1.0)
+    torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-6)
+    # per-step mean 0.1, noise std 1; the EMA reads 0.1 exactly, below its own noise (0.16)
+    one = ShardState(master=torch.zeros(2), m=torch.zeros(2),
+                     age=torch.tensor([0, 400], dtype=torch.int32),
+                     extra={"prev": torch.tensor([0.0, 400 * 0.1]), "s2": torch.ones(2),
+                            "s2w": torch.ones(2), "mu": torch.full((2,), 0.1)})
+    assert float(gain_score(one, dict(HP, world=1)).max()) == 0.0
+    res = gain_score_residual(one, dict(HP, world=1))
+    assert float(res[0]) == 0.0 < float(res[1])  # the 400-step sum shows it
