@@ -279,12 +279,19 @@ def noise_ema_(buf: torch.Tensor, prev: torch.Tensor, age: torch.Tensor, s2: tor
 
 
 def gain_score(mu: torch.Tensor, s2: torch.Tensor, s2w: torch.Tensor, age: torch.Tensor, *,
-               shrink: float, var_m_scale: float) -> torch.Tensor:
-    """What sending each coordinate now is worth (see ``scape.kernels.gain_score``; ``shrink``
+               span: float, var_m_scale: float,
+               prev: torch.Tensor | None = None) -> torch.Tensor:
+    """What sending each coordinate now is worth (see ``scape.kernels.gain_score``; ``span``
     and ``var_m_scale`` are its two factors, computed there)."""
     w = s2w.clamp(min=1e-12)
     mean = mu / w
     var = (s2 / w).sub_(mean.square()).clamp_(min=0.0)
-    sig = mean.square_().sub_(var * shrink).clamp_(min=0.0).sqrt_()
+    a = age.float()
+    if prev is None:
+        cover = torch.full_like(mean, span)
+    else:
+        cover = a + span
+        mean.mul_(span).add_(torch.where(age > 0, prev, 0.0)).div_(cover)
+    sig = mean.square_().sub_(var / cover).clamp_(min=0.0).sqrt_()
     frac = torch.special.erf(sig / var.mul_(2.0 * var_m_scale).add_(1e-30).sqrt_())
-    return sig.mul_(frac.mul_(age.float().add_(1.0)).clamp_(min=1.0))
+    return sig.mul_(frac.mul_(a.add_(1.0)).clamp_(min=1.0))

@@ -14,7 +14,8 @@ No atomics, so the result is bitwise reproducible run to run.
 first moment ``mu`` (the gain selection of scape.rules): 8 more (read and write ``mu``).
 
 ``gain_score``: one elementwise pass over ``mu``, ``s2``, ``s2w``, ``age`` (16 bytes per entry
-read) writing the score (4): 20 bytes, where the same formula as torch ops moves about 100.
+read; 20 with the summed wait ``prev``) writing the score (4): 20 or 24 bytes, where the same
+formula as torch ops moves about 100.
 """
 
 from __future__ import annotations
@@ -159,63 +160,81 @@ def noise_ema_(buf: torch.Tensor, prev: torch.Tensor, age: torch.Tensor, s2: tor
 
 
 @triton.jit
-def _gain_score_kernel(p_mu, p_s2, p_s2w, p_age, p_out, n, shrink, var_m_scale,
-                       TILE: tl.constexpr):
+def _gain_score_kernel(p_mu, p_s2, p_s2w, p_age, p_prev, p_out, n, span, var_m_scale,
+                       HAS_PREV: tl.constexpr, TILE: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * TILE + tl.arange(0, TILE)
     m_n = offs < n
     b_w = tl.maximum(tl.load(p_s2w + offs, mask=m_n, other=1.0), 1e-12)
-    b_mean = tl.load(p_mu + offs, mask=m_n, other=0.0) / b_w
-    b_var = tl.maximum(tl.load(p_s2 + offs, mask=m_n, other=0.0) / b_w - b_mean * b_mean, 0.0)
-    b_sig = tl.sqrt(tl.maximum(b_mean * b_mean - b_var * shrink, 0.0))
+    b_ema = tl.load(p_mu + offs, mask=m_n, other=0.0) / b_w
+    b_var = tl.maximum(tl.load(p_s2 + offs, mask=m_n, other=0.0) / b_w - b_ema * b_ema, 0.0)
+    b_age = tl.load(p_age + offs, mask=m_n, other=0).to(tl.float32)
+    if HAS_PREV:  # the owner's gradient summed over the wait (nothing yet where age == 0)
+        b_prev = tl.load(p_prev + offs, mask=m_n, other=0.0)
+        b_cover = span + b_age
+        b_mean = (b_ema * span + tl.where(b_age > 0.0, b_prev, 0.0)) / b_cover
+    else:
+        b_cover = span + 0.0 * b_age
+        b_mean = b_ema
+    b_sig = tl.sqrt(tl.maximum(b_mean * b_mean - b_var / b_cover, 0.0))
     b_frac = tl.math.erf(b_sig / tl.sqrt(b_var * (2.0 * var_m_scale) + 1e-30))
-    b_a1 = tl.load(p_age + offs, mask=m_n, other=0).to(tl.float32) + 1.0
-    tl.store(p_out + offs, b_sig * tl.maximum(b_frac * b_a1, 1.0), mask=m_n)
+    tl.store(p_out + offs, b_sig * tl.maximum(b_frac * (b_age + 1.0), 1.0), mask=m_n)
 
 
 GAIN_TILE = 2048
 
 
 def gain_score_triton(mu: torch.Tensor, s2: torch.Tensor, s2w: torch.Tensor,
-                      age: torch.Tensor, shrink: float, var_m_scale: float) -> torch.Tensor:
+                      age: torch.Tensor, prev: torch.Tensor | None, span: float,
+                      var_m_scale: float) -> torch.Tensor:
     """Launch :func:`_gain_score_kernel` (arguments already validated)."""
     n = mu.numel()
     out = torch.empty_like(mu)
-    _gain_score_kernel[(triton.cdiv(n, GAIN_TILE),)](mu, s2, s2w, age, out, n, shrink,
-                                                     var_m_scale, TILE=GAIN_TILE, num_warps=8)
+    _gain_score_kernel[(triton.cdiv(n, GAIN_TILE),)](
+        mu, s2, s2w, age, mu if prev is None else prev, out, n, span, var_m_scale,
+        HAS_PREV=prev is not None, TILE=GAIN_TILE, num_warps=8)
     return out
 
 
 def gain_score(mu: torch.Tensor, s2: torch.Tensor, s2w: torch.Tensor, age: torch.Tensor, *,
-               beta: float, beta1: float, world: int) -> torch.Tensor:
+               beta: float, beta1: float, world: int,
+               prev: torch.Tensor | None = None) -> torch.Tensor:
     """Per coordinate, what sending it now is worth (``scape.rules.gain_score``), a new fp32
     tensor; the inputs are those :func:`noise_ema_` keeps (fp32 1-D, one length; ``age``
     int32) and are not written::
 
-        mean  = mu / s2w,   var = max(s2 / s2w - mean^2, 0)      (s2w floored at 1e-12)
-        sig   = sqrt(max(mean^2 - var * (1 - beta) / (1 + beta), 0))
+        ema   = mu / s2w,   var = max(s2 / s2w - ema^2, 0)       (s2w floored at 1e-12)
+        span  = (1 + beta) / (1 - beta)                          (the steps the EMA covers)
+        mean  = ema,  cover = span                               (without prev)
+        mean  = (span * ema + where(age > 0, prev, 0)) / cover,  cover = span + age
+        sig   = sqrt(max(mean^2 - var / cover, 0))
         frac  = erf(sig / sqrt(2 var (1 - beta1) / (1 + beta1) / world + 1e-30))
         score = sig * max(frac * (age + 1), 1)
 
     ``beta`` is the EMAs' factor, ``beta1`` AdamS's, ``world`` the number of ranks (each
-    rank's gradient is one of ``world`` equal parts of the mean).
+    rank's gradient is one of ``world`` equal parts of the mean). ``prev``, if given, is the
+    owner's own gradient summed over each coordinate's wait (``age`` steps;
+    ``scape.rules.gain_score_residual``).
     """
     check_tensor("mu", mu, dtypes=(torch.float32,), ndim=1)
     n = mu.numel()
-    for name, t in (("s2", s2), ("s2w", s2w)):
+    named = (("s2", s2), ("s2w", s2w)) + ((("prev", prev),) if prev is not None else ())
+    for name, t in named:
         check_tensor(name, t, dtypes=(torch.float32,), ndim=1)
         check_numel(name, t, n, "same length as mu")
     check_tensor("age", age, dtypes=(torch.int32,), ndim=1)
     check_numel("age", age, n, "same length as mu")
-    check_same_device(mu=mu, s2=s2, s2w=s2w, age=age)
+    check_same_device(mu=mu, s2=s2, s2w=s2w, age=age,
+                      **({"prev": prev} if prev is not None else {}))
     for name, b in (("beta", beta), ("beta1", beta1)):
         if isinstance(b, bool) or not isinstance(b, (int, float)) or not 0.0 <= b < 1.0:
             raise ValueError(f"{name} must be a float in [0, 1), got {b!r}")
     if isinstance(world, bool) or not isinstance(world, int) or world < 1:
         raise ValueError(f"world must be an int >= 1, got {world!r}")
-    shrink = (1.0 - beta) / (1.0 + beta)
+    span = (1.0 + beta) / (1.0 - beta)
     var_m_scale = (1.0 - beta1) / (1.0 + beta1) / world
     if n == 0:
         return torch.empty_like(mu)
     if use_triton(mu):
-        return gain_score_triton(mu, s2, s2w, age, shrink, var_m_scale)
-    return reference.gain_score(mu, s2, s2w, age, shrink=shrink, var_m_scale=var_m_scale)
+        return gain_score_triton(mu, s2, s2w, age, prev, span, var_m_scale)
+    return reference.gain_score(mu, s2, s2w, age, span=span, var_m_scale=var_m_scale,
+                                prev=prev)

@@ -356,19 +356,11 @@ def gain_score_residual(shard: ShardState, hp: dict) -> torch.Tensor:
     weak but steady gradient shows in it the longer it waits, where the EMA's reading stays
     at noise (hypothesis 20). The two means are weighted by the steps they cover,
     ``mean = (39 * ema + age * sum / age) / (39 + age)``, its noise taken as
-    ``var / (39 + age)``; the rest as :func:`gain_score`. Torch passes (not fused)."""
+    ``var / (39 + age)``; the rest as :func:`gain_score`. One fused pass on a GPU
+    (:func:`scape.kernels.gain_score` with ``prev``, 24 bytes per coordinate)."""
     ex = shard.extra
-    w = ex["s2w"].clamp(min=1e-12)
-    ema = ex["mu"] / w
-    var = (ex["s2"] / w).sub_(ema.square()).clamp_(min=0.0)
-    span = (1.0 + NOISE_BETA) / (1.0 - NOISE_BETA)
-    age = shard.age.float()
-    waited = torch.where(shard.age > 0, ex["prev"], 0.0)  # the sent coordinates: nothing yet
-    mean = ema.mul_(span).add_(waited).div_(age + span)
-    sig = mean.square_().sub_(var / (age + span)).clamp_(min=0.0).sqrt_()
-    var_m = var.mul_((1.0 - hp["beta1"]) / (1.0 + hp["beta1"]) / hp.get("world", 1))
-    frac = torch.special.erf(sig / var_m.mul_(2.0).add_(1e-30).sqrt_())
-    return sig.mul_(frac.mul_(age.add_(1.0)).clamp_(min=1.0))
+    return kernel_gain_score(ex["mu"], ex["s2"], ex["s2w"], shard.age, beta=NOISE_BETA,
+                             beta1=hp["beta1"], world=hp.get("world", 1), prev=ex["prev"])
 
 
 def _gain_selected(update: UpdateFn) -> Rule:

@@ -179,12 +179,17 @@ def noise_ema_f64(buf, prev0, age, s2_0, s2w_0, beta, error_feedback, mu0=None):
     return out if mu0 is None else out + (beta * mu0.double() + (1 - beta) * local,)
 
 
-def gain_score_f64(mu, s2, s2w, age, beta, beta1, world):
+def gain_score_f64(mu, s2, s2w, age, beta, beta1, world, prev=None):
     """``gain_score`` in float64, written out from its docstring."""
     w = s2w.double().clamp(min=1e-12)
     mean = mu.double() / w
     var = (s2.double() / w - mean ** 2).clamp(min=0.0)
-    sig = (mean ** 2 - var * (1 - beta) / (1 + beta)).clamp(min=0.0).sqrt()
+    span = (1 + beta) / (1 - beta)
+    cover = torch.full_like(mean, span)
+    if prev is not None:
+        cover = cover + age.double()
+        mean = (span * mean + torch.where(age > 0, prev.double(), 0.0)) / cover
+    sig = (mean ** 2 - var / cover).clamp(min=0.0).sqrt()
     sigma_m = (2 * var * (1 - beta1) / (1 + beta1) / world + 1e-30).sqrt()
     return sig * (torch.special.erf(sig / sigma_m) * (age.double() + 1)).clamp(min=1.0)
 

@@ -87,10 +87,11 @@ def _specs(dt: str) -> list[tuple[str, object, dict, dict, int]]:
                 "ERROR_FEEDBACK": "constexpr", "HAS_MU": "constexpr", "TILE": "constexpr"},
                {"ERROR_FEEDBACK": True, "HAS_MU": has_mu, "TILE": stats.NOISE_TILE}, 8)
               for has_mu in (False, True)]
-    specs.append(("gain_score", stats._gain_score_kernel,
-                  {"p_mu": "*fp32", "p_s2": "*fp32", "p_s2w": "*fp32", "p_age": "*i32",
-                   "p_out": "*fp32", "n": "i32", "shrink": "fp32", "var_m_scale": "fp32",
-                   "TILE": "constexpr"}, {"TILE": stats.GAIN_TILE}, 8))
+    specs += [(f"gain_score{' (+wait)' if has_prev else ''}", stats._gain_score_kernel,
+               {"p_mu": "*fp32", "p_s2": "*fp32", "p_s2w": "*fp32", "p_age": "*i32",
+                "p_prev": "*fp32", "p_out": "*fp32", "n": "i32", "span": "fp32",
+                "var_m_scale": "fp32", "HAS_PREV": "constexpr", "TILE": "constexpr"},
+               {"HAS_PREV": has_prev, "TILE": stats.GAIN_TILE}, 8) for has_prev in (False, True)]
     return specs
 
 

@@ -173,6 +173,7 @@ def test_split_auto_follows_the_rule(update, want):
     ("catchup_agree_trust2_accum", "auto", 2, ("catchup_agree_trust2_accum", "gain")),
     ("catchup_agree_trust4_accum", "auto", 1, ("catchup_agree_trust4_accum", None)),
     ("catchup_agree_trust4_gain", "auto", 2, ("catchup_agree_trust4_gain", None)),
+    ("catchup_agree_trust2_gainr", "auto", 2, ("catchup_agree_trust2_gainr", None)),
     ("catchup_snr_accum", "auto", 2, ("catchup_snr_accum", "gain")),
     ("catchup_sqrt_accum", "auto", 2, ("catchup_sqrt_accum", None)),
     ("lazy", None, 2, ("lazy", None)),
