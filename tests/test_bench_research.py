@@ -232,7 +232,7 @@ def test_step_compute_groups(tmp_path):
     rep = _run("bench.step_compute", str(tmp_path / "s.json"), "--groups")
     assert rep["groups"] is True
     assert (rep["update"], rep["split"]) == resolve("auto", "auto", 2) == (
-        "catchup_agree_trust4_gainr", None)
+        "catchup_agree_trust2_gainr", None)
     rows = {r["optimizer"]: r for r in rep["rows"]}
     assert rows["scape_0.99"]["bytes"] < rows["scape_0.9"]["bytes"] < rows["dense_adams"]["bytes"]
 

@@ -165,15 +165,15 @@ def test_split_auto_follows_the_rule(update, want):
 
 
 @pytest.mark.parametrize("update,split,n,want", [
-    ("auto", "auto", 2, ("catchup_agree_trust4_gainr", None)),
-    ("auto", "auto", 1, ("catchup_agree_trust4_gainr", None)),
-    ("auto", None, 3, ("catchup_agree_trust4_gainr", None)),
-    ("auto", "gain", 2, ("catchup_agree_trust4_gainr", "gain")),
-    ("auto", "gain", 1, ("catchup_agree_trust4_gainr", "gain")),  # asked for: kept, no meter
+    ("auto", "auto", 2, ("catchup_agree_trust2_gainr", None)),
+    ("auto", "auto", 1, ("catchup_agree_trust2_gainr", None)),
+    ("auto", None, 3, ("catchup_agree_trust2_gainr", None)),
+    ("auto", "gain", 2, ("catchup_agree_trust2_gainr", "gain")),
+    ("auto", "gain", 1, ("catchup_agree_trust2_gainr", "gain")),  # asked for: kept, no meter
     ("catchup_agree_trust2_accum", "auto", 2, ("catchup_agree_trust2_accum", "gain")),
     ("catchup_agree_trust4_accum", "auto", 1, ("catchup_agree_trust4_accum", None)),
     ("catchup_agree_trust4_gain", "auto", 2, ("catchup_agree_trust4_gain", None)),
-    ("catchup_agree_trust2_gainr", "auto", 2, ("catchup_agree_trust2_gainr", None)),
+    ("catchup_agree_trust4_gainr", "auto", 2, ("catchup_agree_trust4_gainr", None)),
     ("catchup_snr_accum", "auto", 2, ("catchup_snr_accum", "gain")),
     ("catchup_sqrt_accum", "auto", 2, ("catchup_sqrt_accum", None)),
     ("lazy", None, 2, ("lazy", None)),
@@ -186,15 +186,15 @@ def test_defaults_take_masks_by_gain_and_do_not_split():
     """The defaults: the gain masks and c = 1/2, with no split and no meter, whatever the
     number of sparse groups (a dense group beside them does not count)."""
     opt, _ = _opt(0, update="auto", split="auto")
-    assert (opt.update, opt.split, opt.meter) == ("catchup_agree_trust4_gainr", None, None)
-    assert opt.rule is RULES["catchup_agree_trust4_gainr"]
+    assert (opt.update, opt.split, opt.meter) == ("catchup_agree_trust2_gainr", None, None)
+    assert opt.rule is RULES["catchup_agree_trust2_gainr"]
     assert all("mu" in s.extra and "split_mu" not in s.extra
                for s, m in zip(opt.shards, opt.masks) if m is not None)
     torch.manual_seed(0)
     one = scape.SCAPE([{"params": [torch.nn.Parameter(torch.randn(3000))]},
                        {"params": [torch.nn.Parameter(torch.randn(10))], "sparsity": 0.0}],
                       lr=1e-3)
-    assert (one.update, one.split, one.meter) == ("catchup_agree_trust4_gainr", None, None)
+    assert (one.update, one.split, one.meter) == ("catchup_agree_trust2_gainr", None, None)
 
 
 def test_split_with_one_sparse_group_keeps_no_meter():
