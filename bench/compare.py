@@ -20,7 +20,7 @@ A ``scape`` or ``compute_only`` name may end in ``-embed<sparsity>`` (e.g.
 param group at that sparsity (the quality research's finding; bench/README.md), with the
 optimizer's own split off (``split=None``) and the rule of the research's split rows
 (``catchup_agree_trust2_accum``). Without it a ``scape`` row runs the library's defaults (the
-masks by fresh gain, ``catchup_agree_trust2_gain``), its two sparse groups (``decay``,
+masks by fresh gain, ``catchup_agree_trust2_gainr``), its two sparse groups (``decay``,
 ``no_decay``) each at the row's sparsity.
 
 Opt-in local-step rows (:mod:`bench.local_sgd_opts`, AdamW inner optimizer at the same lr):

@@ -55,8 +55,8 @@ hand 1.106x; one seed) and 1.055x at 0.9847 (two seeds; every group at 0.9841: 1
 by default where there are two or more sparse groups and the rule takes its masks by
 accumulated mass (``catchup_agree_trust2_accum``): the meter's EMA then lives in the shards and
 travels in checkpoints. The default rule since hypothesis 19 takes each coordinate's gain into
-its masks instead (:func:`scape.rules.gain_score`) and runs no split. The functions here are for
-other signals, powers, floors and schedules.
+its masks instead (:func:`scape.rules.gain_score_residual`) and runs no split. The functions
+here are for other signals, powers, floors and schedules.
 
 Only groups built sparse take part (a group built with ``sparsity=0`` stays dense and out of
 the budget). Every rank computes the same split from the all-reduced means, so masks stay
