@@ -288,10 +288,11 @@ def gain_score(mu: torch.Tensor, s2: torch.Tensor, s2w: torch.Tensor, age: torch
     var = (s2 / w).sub_(mean.square()).clamp_(min=0.0)
     a = age.float()
     if prev is None:
-        cover = torch.full_like(mean, span)
+        noise = var / span
     else:
         cover = a + span
         mean.mul_(span).add_(torch.where(age > 0, prev, 0.0)).div_(cover)
-    sig = mean.square_().sub_(var / cover).clamp_(min=0.0).sqrt_()
+        noise = var / cover
+    sig = mean.square_().sub_(noise).clamp_(min=0.0).sqrt_()
     frac = torch.special.erf(sig / var.mul_(2.0 * var_m_scale).add_(1e-30).sqrt_())
     return sig.mul_(frac.mul_(a.add_(1.0)).clamp_(min=1.0))

@@ -172,10 +172,11 @@ def _gain_score_kernel(p_mu, p_s2, p_s2w, p_age, p_prev, p_out, n, span, var_m_s
         b_prev = tl.load(p_prev + offs, mask=m_n, other=0.0)
         b_cover = span + b_age
         b_mean = (b_ema * span + tl.where(b_age > 0.0, b_prev, 0.0)) / b_cover
+        b_noise = b_var / b_cover
     else:
-        b_cover = span + 0.0 * b_age
         b_mean = b_ema
-    b_sig = tl.sqrt(tl.maximum(b_mean * b_mean - b_var / b_cover, 0.0))
+        b_noise = b_var / span
+    b_sig = tl.sqrt(tl.maximum(b_mean * b_mean - b_noise, 0.0))
     b_frac = tl.math.erf(b_sig / tl.sqrt(b_var * (2.0 * var_m_scale) + 1e-30))
     tl.store(p_out + offs, b_sig * tl.maximum(b_frac * (b_age + 1.0), 1.0), mask=m_n)
 

@@ -41,14 +41,7 @@ from scape.comm import Communicator
 from scape.drift import Drift
 from scape.kernels import adams_dense_, blockwise_topk, scatter_, take_
 from scape.profiling import phase
-from scape.rules import (
-    NOISE_STATE,
-    RULES,
-    ShardState,
-    gain_score,
-    gain_score_residual,
-    mask_positions,
-)
+from scape.rules import GAIN_SCORES, NOISE_STATE, RULES, ShardState, mask_positions
 from scape.sharded import ShardedOptimizer, _Pending
 
 AUTO_RULE = "catchup_agree_trust2_gainr"
@@ -529,9 +522,8 @@ def _measures_noise(update: str) -> bool:
 
 
 def _selects_by_gain(update: str) -> bool:
-    """Whether the rule's masks take each coordinate's fresh gain (:func:`rules.gain_score`
-    or :func:`rules.gain_score_residual`)."""
-    return RULES[update].score in (gain_score, gain_score_residual)
+    """Whether the rule's masks take each coordinate's fresh gain (:data:`rules.GAIN_SCORES`)."""
+    return RULES[update].score in GAIN_SCORES
 
 
 def resolve(update: str, split: str | None, n_sparse_groups: int) -> tuple[str, str | None]:

@@ -208,6 +208,21 @@ def gain_score(shard: ShardState, hp: dict) -> torch.Tensor:
                              beta1=hp["beta1"], world=hp.get("world", 1))
 
 
+def gain_score_residual(shard: ShardState, hp: dict) -> torch.Tensor:
+    """:func:`gain_score` whose mean also reads the owner's own gradient summed since the
+    coordinate was last sent (with error feedback: ``extra["prev"]``, this step's buffer,
+    holds ``age`` of the owner's per-step gradients at an unsent coordinate): the EMA's mean
+    covers about ``(1 + beta) / (1 - beta)`` (39) steps, the sum all ``age`` of the wait, so a
+    weak but steady gradient shows in it the longer it waits, where the EMA's reading stays
+    at noise (hypothesis 20). The two means are weighted by the steps they cover,
+    ``mean = (39 * ema + age * sum / age) / (39 + age)``, its noise taken as
+    ``var / (39 + age)``; the rest as :func:`gain_score`. One fused pass on a GPU
+    (:func:`scape.kernels.gain_score` with ``prev``, 24 bytes per coordinate)."""
+    ex = shard.extra
+    return kernel_gain_score(ex["mu"], ex["s2"], ex["s2w"], shard.age, beta=NOISE_BETA,
+                             beta1=hp["beta1"], world=hp.get("world", 1), prev=ex["prev"])
+
+
 def catchup_snr(shard: ShardState, g: torch.Tensor, idx: torch.Tensor, block_size: int,
                 hp: dict, model_out: torch.Tensor, floor: float = 0.0,
                 agree: bool = False, cap: float = 1.0, trust: float | None = None) -> None:
@@ -348,24 +363,14 @@ def catchup_agree_trustlr(shard: ShardState, g: torch.Tensor, idx: torch.Tensor,
                 trust=lo + (hi - lo) * frac)
 
 
-def gain_score_residual(shard: ShardState, hp: dict) -> torch.Tensor:
-    """:func:`gain_score` whose mean also reads the owner's own gradient summed since the
-    coordinate was last sent (with error feedback: ``extra["prev"]``, this step's buffer,
-    holds ``age`` of the owner's per-step gradients at an unsent coordinate): the EMA's mean
-    covers about ``(1 + beta) / (1 - beta)`` (39) steps, the sum all ``age`` of the wait, so a
-    weak but steady gradient shows in it the longer it waits, where the EMA's reading stays
-    at noise (hypothesis 20). The two means are weighted by the steps they cover,
-    ``mean = (39 * ema + age * sum / age) / (39 + age)``, its noise taken as
-    ``var / (39 + age)``; the rest as :func:`gain_score`. One fused pass on a GPU
-    (:func:`scape.kernels.gain_score` with ``prev``, 24 bytes per coordinate)."""
-    ex = shard.extra
-    return kernel_gain_score(ex["mu"], ex["s2"], ex["s2w"], shard.age, beta=NOISE_BETA,
-                             beta1=hp["beta1"], world=hp.get("world", 1), prev=ex["prev"])
+GAIN_SCORES: tuple[ScoreFn, ...] = (gain_score, gain_score_residual)
+"""The scores that take a coordinate's fresh gain (the masks of the ``*_gain*`` rules)."""
 
 
-def _gain_selected(update: UpdateFn) -> Rule:
-    """A noise-sized rule whose masks take the coordinates of largest :func:`gain_score`."""
-    return Rule(update, gain_score, observe=observe_local_moments, extra=GAIN_STATE,
+def _gain_selected(update: UpdateFn, score: ScoreFn = gain_score) -> Rule:
+    """A noise-sized rule whose masks take the coordinates of largest ``score`` (one of
+    :data:`GAIN_SCORES`)."""
+    return Rule(update, score, observe=observe_local_moments, extra=GAIN_STATE,
                 reset=reset_local_noise, score_reads_hp=True)
 
 
@@ -403,9 +408,7 @@ RULES: dict[str, Rule] = {
     "catchup_agree_trustlr_accum": _noise_sized(catchup_agree_trustlr),
     "catchup_agree_trust2_gain": _gain_selected(catchup_agree_trust2),
     "catchup_agree_trust4_gain": _gain_selected(catchup_agree_trust4),
-    "catchup_agree_trust2_gainr": dataclasses.replace(_gain_selected(catchup_agree_trust2),
-                                                      score=gain_score_residual),
-    "catchup_agree_trust4_gainr": dataclasses.replace(_gain_selected(catchup_agree_trust4),
-                                                      score=gain_score_residual),
+    "catchup_agree_trust2_gainr": _gain_selected(catchup_agree_trust2, gain_score_residual),
+    "catchup_agree_trust4_gainr": _gain_selected(catchup_agree_trust4, gain_score_residual),
 }
 """Sparse-step rules by the name passed as ``update=``."""
