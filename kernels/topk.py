@@ -24,7 +24,7 @@ among the entries the score part left, a mask computed once. A larger block is w
 the block (from L1/L2), and the explore search recomputes the score part's tie ranks per chunk.
 On an H100 (2^26 fp32 scores, blocks of 4096, 8 warps) the resident form takes 1.36 ms against
 4.47 ms for the chunked one, as fast as ``torch.topk`` over the same block view (1.29 ms),
-which has no tie rule, explore part or sorted output (bench/README.md, "Kernels on a GPU").
+which has no tie rule, explore part or sorted output (docs/kernels.md).
 """
 
 from __future__ import annotations
@@ -204,7 +204,7 @@ def topk_config(block_size: int) -> dict[str, int]:
     """Launch settings: a block of at most :data:`RESIDENT_MAX` entries is one chunk held in
     registers, with 8 warps at 2048 and 4096 entries and 4 otherwise; a larger one is walked
     in chunks of 2048 with 8 warps (8 entries per thread). Chosen on an H100 by
-    ``python -m bench.topk_variants`` (bench/README.md)."""
+    ``python -m bench.topk_variants`` (docs/kernels.md)."""
     if block_size <= RESIDENT_MAX:
         return {"CHUNK": block_size, "num_warps": 8 if block_size in (2048, 4096) else 4}
     return {"CHUNK": 2048, "num_warps": 8}

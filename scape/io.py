@@ -234,7 +234,7 @@ def _check_tensor(where: str, t: Any, dtype: torch.dtype, shape: tuple[int, ...]
 
 def _counter_ok(v: Any, nested: bool = True) -> bool:
     """An optimizer counter: an int, a finite float, or (one level) a map of param group index
-    to one of those (SCAPE's ``lr_peak`` and gain split keep such maps)."""
+    to one of those (per-group counters; files saved by earlier versions carry such maps)."""
     if isinstance(v, bool):
         return False
     if isinstance(v, int):
@@ -291,9 +291,8 @@ def validate_state(opt: Any, sd: dict[str, Any], rank: int, manifest: dict[str, 
         extra = e.get("extra")
         if not isinstance(extra, dict) or set(extra) != set(s.extra):
             raise CheckpointError(f"{at}: extra state {sorted(extra or {})} != "
-                                  f"{sorted(s.extra)} (saved with another update rule or "
-                                  "split? build the optimizer with the update= and split= it "
-                                  "was saved with)")
+                                  f"{sorted(s.extra)} (saved with another update rule? "
+                                  "build the optimizer with the update= it was saved with)")
         for k, t in extra.items():
             _check_tensor(f"{at}, {k}", t, s.extra[k].dtype, (shard,))
         for key in ("mask_next", "mask_current"):

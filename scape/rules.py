@@ -1,7 +1,20 @@
 """Rules for a sparse step: what the owner does with the synchronized compact gradient, and
 which statistic picks the next mask.
 
-A rule is a :class:`Rule`: an ``update`` function plus an optional ``score`` function.
+A rule is a :class:`Rule`. ``update=`` of :class:`scape.SCAPE` names one in :data:`RULES`:
+
+==========  ===========================================================================
+``auto``    the default: masks by each coordinate's gain (:func:`gain_score_residual`),
+            the agreement catch-up bounded at half its block's RMS (16 B/coordinate)
+``robust``  the same masks, the catch-up bounded at a quarter of the block's RMS: holds up
+            better when the lr is above the one tuned for dense AdamS
+``sqrt``    masks by accumulated mass ``|m| (age + 1)``, a sent coordinate moves
+            ``sqrt(age + 1)`` steps (:func:`catchup_sqrt`): no extra state, less compute
+``lazy``    the baseline (DESIGN §1): a sent coordinate takes one AdamS step, the rest wait
+==========  ===========================================================================
+
+Other rules plug in with :func:`register` (a name and a :class:`Rule`); the research rules
+are registered that way by ``bench/research/rules.py``.
 
 ``update(shard, g, idx, block_size, hp, model_out)``:
 
@@ -10,7 +23,8 @@ A rule is a :class:`Rule`: an ``update`` function plus an optional ``score`` fun
 - ``g``: the averaged gradient at the mask coordinates (fp32, compact, ``n_blocks * k``). With
   error feedback it is everything accumulated there since the coordinate was last sent;
 - ``idx``: the owner's mask, int16 ``[n_blocks, k]`` block-local offsets;
-- ``hp``: ``lr``, ``beta1``, ``beta2``, ``eps``, ``weight_decay`` of the param group;
+- ``hp``: ``lr``, ``beta1``, ``beta2``, ``eps``, ``weight_decay`` of the param group and the
+  ``world`` size;
 - ``model_out``: compact buffer (model dtype) that must receive the new parameter values at
   the mask coordinates; it is all-gathered and scattered into every rank's model.
 
@@ -19,17 +33,14 @@ sent, so a rule may change other coordinates of ``master`` only if every rank ca
 that change (otherwise the ranks' models drift apart).
 
 ``score(shard) -> Tensor`` (length S): the next mask takes, per block, the largest ``|score|``
-(default: the first moment ``m``, DESIGN §1 step 4). A rule with ``score_reads_hp`` gets the
-param group's hyperparameters too: ``score(shard, hp)``.
+(default: the first moment ``m``, DESIGN §1 step 4), and a fraction ``explore`` of each
+block's budget by age. A rule with ``score_reads_hp`` gets the hyperparameters too:
+``score(shard, hp)``.
 
 Optional seams, each free of communication: ``observe(shard, buf, error_feedback)`` sees the
 owner's slice of its own gradient buffer at the start of every step (local statistics, kept
 in the shard tensors named by ``extra``, which checkpoints save and reshard); ``reset(shard)``
-runs after a skipped step, whose residuals were cleared; ``drift`` makes every rank move
-unsent coordinates between syncs from replicated state (:mod:`scape.drift`).
-
-Registering a variant is one :class:`Rule` in :data:`RULES` plus its test. The rules and what
-each one measured are in bench/README.md ("Convergence and the quality research").
+runs after a skipped step, whose residuals were cleared.
 """
 
 from __future__ import annotations
@@ -38,10 +49,10 @@ import dataclasses
 import functools
 import math
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
-from scape.drift import DriftSpec
 from scape.kernels import adams_sparse_, noise_ema_
 from scape.kernels import gain_score as kernel_gain_score
 
@@ -69,8 +80,6 @@ class Rule:
     update: UpdateFn
     score: ScoreFn | None = None
     """None: the first moment ``m`` (|m| picks the mask)."""
-    drift: DriftSpec | None = None
-    """None: unsent coordinates stand still; else they drift between syncs (scape.drift)."""
     observe: ObserveFn | None = None
     """Called at the start of every step with the owner's slice of its own gradient buffer
     (this step's local gradient + residual, before the take) and whether error feedback is
@@ -83,6 +92,31 @@ class Rule:
     cleared: what ``observe`` kept of the buffer no longer describes it."""
     score_reads_hp: bool = False
     """True: ``score(shard, hp)`` with the hyperparameters ``update`` gets (world size, betas)."""
+    explore: float = 0.1
+    """Fraction of each block's budget taken by age (the longest-waiting coordinates) instead
+    of by ``score``: every coordinate is sent now and then, whatever its score."""
+    error_feedback: bool = True
+    """Keep what a sparse step did not send in the gradient buffer for later steps (False:
+    drop it, so ``g`` is this step's gradient alone)."""
+
+    def __post_init__(self) -> None:
+        if not callable(self.update):
+            raise TypeError(f"Rule.update must be callable, got {type(self.update).__name__}")
+        for name in ("score", "observe", "reset"):
+            fn = getattr(self, name)
+            if fn is not None and not callable(fn):
+                raise TypeError(f"Rule.{name} must be callable or None, got "
+                                f"{type(fn).__name__}")
+        if not isinstance(self.extra, tuple) or \
+                not all(isinstance(k, str) and k for k in self.extra):
+            raise TypeError(f"Rule.extra must be a tuple of names, got {self.extra!r}")
+        if isinstance(self.explore, bool) or not isinstance(self.explore, (int, float)) or \
+                not 0.0 <= self.explore <= 1.0:
+            raise ValueError(f"Invalid Rule.explore: {self.explore!r} (expected a float in "
+                             "[0, 1])")
+        if not isinstance(self.error_feedback, bool):
+            raise TypeError("Invalid Rule.error_feedback: expected a bool, got "
+                            f"{type(self.error_feedback).__name__}")
 
 
 def mask_positions(idx: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -184,7 +218,7 @@ def observe_local_moments(shard: ShardState, buf: torch.Tensor, error_feedback: 
 
 def gain_score(shard: ShardState, hp: dict) -> torch.Tensor:
     """What sending a coordinate now is worth: its fresh gradient signal times the steps the
-    agreement rule would move it (hypothesis 19 in bench/README.md).
+    agreement rule would move it.
 
     ``|m| * (age + 1)`` (:func:`accumulated_score`) ranks by the first moment of the
     coordinate's last sync: stale for a coordinate not sent lately, and blind to noise, so a
@@ -198,9 +232,7 @@ def gain_score(shard: ShardState, hp: dict) -> torch.Tensor:
     A coordinate whose per-step sign is a coin toss scores about its small ``sig``; it waits
     for ``explore``. The owner's mean is that of its own share of the batch, so the reading
     is noisier the more ranks share it (measured on 4 ranks; one process fed the global
-    batch reads it better than any rank could). What the split
-    (:meth:`scape.allot.AgreementMeter.gain`) sizes the groups' budgets by, per coordinate,
-    here picks the coordinates inside a block. One fused pass on a GPU
+    batch reads it better than any rank could). One fused pass on a GPU
     (:func:`scape.kernels.gain_score`, 20 bytes per coordinate).
     """
     ex = shard.extra
@@ -214,7 +246,7 @@ def gain_score_residual(shard: ShardState, hp: dict) -> torch.Tensor:
     holds ``age`` of the owner's per-step gradients at an unsent coordinate): the EMA's mean
     covers about ``(1 + beta) / (1 - beta)`` (39) steps, the sum all ``age`` of the wait, so a
     weak but steady gradient shows in it the longer it waits, where the EMA's reading stays
-    at noise (hypothesis 20). The two means are weighted by the steps they cover,
+    at noise. The two means are weighted by the steps they cover,
     ``mean = (39 * ema + age * sum / age) / (39 + age)``, its noise taken as
     ``var / (39 + age)``; the rest as :func:`gain_score`. One fused pass on a GPU
     (:func:`scape.kernels.gain_score` with ``prev``, 24 bytes per coordinate)."""
@@ -239,9 +271,9 @@ def catchup_snr(shard: ShardState, g: torch.Tensor, idx: torch.Tensor, block_siz
 
     ``agree=True`` (:func:`catchup_agree`) sizes the step by what dense AdamS would have
     moved instead: ``n = max((a+1)^floor, (a+1) * erf(|mu| / (sigma_m sqrt 2)))``.
-    ``cap < 1`` bounds ``n`` by ``(a+1)^cap`` (:func:`catchup_agree_cap`). ``trust=c`` bounds
-    the displacement instead: ``n <= max(sqrt(a+1), c * rms_b / lr)`` with ``rms_b`` the RMS
-    of the coordinate's block of ``master`` (:func:`catchup_agree_trust`).
+    ``cap < 1`` bounds ``n`` by ``(a+1)^cap``. ``trust=c`` bounds the displacement instead:
+    ``n <= max(sqrt(a+1), c * rms_b / lr)`` with ``rms_b`` the RMS of the coordinate's block
+    of ``master``.
     """
     flat = mask_positions(idx, block_size)
     p_sel, m_sel = shard.master.index_select(0, flat), shard.m.index_select(0, flat)
@@ -279,136 +311,91 @@ def catchup_snr(shard: ShardState, g: torch.Tensor, idx: torch.Tensor, block_siz
 
 
 def catchup_agree(shard: ShardState, g: torch.Tensor, idx: torch.Tensor, block_size: int,
-                  hp: dict, model_out: torch.Tensor) -> None:
+                  hp: dict, model_out: torch.Tensor, trust: float | None = None) -> None:
     """Catch-up sized like dense AdamS's own displacement over the ``a + 1`` steps.
 
     AdamS steps by about ``sign(m)`` every step (``m^2`` is its second-moment proxy), so over
     ``a + 1`` steps it moves ``(a + 1) * E[sign(m_t)]`` along the mean. With the per-step mean
     ``mu`` and the noise of its moment ``sigma_m^2 = sigma^2 (1 - beta1) / (1 + beta1)`` (an
     EMA of per-step means of variance ``sigma^2``), ``E[sign(m_t)] = erf(|mu| / (sigma_m
-    sqrt 2))`` for Gaussian noise. Unlike :func:`catchup_snr`, the fraction does not grow with
-    the wait: a coordinate whose per-step sign is a coin toss moves little however long it
-    waited. Floor one step; ``mu^2``, ``sigma^2`` and the rest as :func:`catchup_snr`.
+    sqrt 2))`` for Gaussian noise: a coordinate whose per-step sign is a coin toss moves little
+    however long it waited. Floor one step. ``trust=c`` bounds the displacement by ``c`` times
+    the RMS of the coordinate's block of weights, never below the square-root rule:
+    ``n <= max(sqrt(a+1), c * rms_b / lr)`` (a stale mean is trusted on the scale of the
+    weights, not beyond). ``mu^2``, ``sigma^2`` and the rest as :func:`catchup_snr`.
     """
-    catchup_snr(shard, g, idx, block_size, hp, model_out, agree=True)
-
-
-def catchup_agree_sqrt(shard: ShardState, g: torch.Tensor, idx: torch.Tensor, block_size: int,
-                       hp: dict, model_out: torch.Tensor) -> None:
-    """:func:`catchup_agree` never below the square-root rule (floor ``sqrt(a+1)`` steps):
-    it moves like ``catchup_sqrt`` where the noise estimate says little, and up to the full
-    ``a + 1`` steps where the arrived mean is clearly signal."""
-    catchup_snr(shard, g, idx, block_size, hp, model_out, floor=0.5, agree=True)
-
-
-def catchup_agree_cap(shard: ShardState, g: torch.Tensor, idx: torch.Tensor, block_size: int,
-                      hp: dict, model_out: torch.Tensor) -> None:
-    """:func:`catchup_agree` never above the square-root rule: ``n = min(sqrt(a+1),
-    max(1, (a+1) * erf(...)))``. It keeps the agreement rule's small steps where the noise
-    dominates and drops its full catch-up where the signal does, which overshoots when the
-    gradient changes during a long wait (large learning rates)."""
-    catchup_snr(shard, g, idx, block_size, hp, model_out, agree=True, cap=0.5)
-
-
-def catchup_agree_trust(shard: ShardState, g: torch.Tensor, idx: torch.Tensor, block_size: int,
-                        hp: dict, model_out: torch.Tensor) -> None:
-    """:func:`catchup_agree` whose catch-up moves a coordinate at most about the RMS of its
-    block's parameters (``lr * n <= rms_b``), never less than the square-root rule allows:
-    ``n = min(n_agree, max(sqrt(a+1), rms_b / lr))``. A stale mean is trusted for a
-    displacement on the scale of the weights, not beyond (where the gradient has likely
-    changed); at a small learning rate the bound is loose and the rule is the agreement rule."""
-    catchup_snr(shard, g, idx, block_size, hp, model_out, agree=True, trust=1.0)
-
-
-def catchup_agree_trust2(shard: ShardState, g: torch.Tensor, idx: torch.Tensor,
-                         block_size: int, hp: dict, model_out: torch.Tensor) -> None:
-    """:func:`catchup_agree_trust` with half the reach: ``lr * n <= rms_b / 2``."""
-    catchup_snr(shard, g, idx, block_size, hp, model_out, agree=True, trust=0.5)
-
-
-def catchup_agree_trust4(shard: ShardState, g: torch.Tensor, idx: torch.Tensor,
-                         block_size: int, hp: dict, model_out: torch.Tensor) -> None:
-    """:func:`catchup_agree_trust` with a quarter of the reach: ``lr * n <= rms_b / 4``."""
-    catchup_snr(shard, g, idx, block_size, hp, model_out, agree=True, trust=0.25)
-
-
-def catchup_snr_sqrt(shard: ShardState, g: torch.Tensor, idx: torch.Tensor, block_size: int,
-                     hp: dict, model_out: torch.Tensor) -> None:
-    """:func:`catchup_snr` never below the square-root rule (floor ``sqrt(a+1)`` steps)."""
-    catchup_snr(shard, g, idx, block_size, hp, model_out, floor=0.5)
-
-
-def _noise_sized(update: UpdateFn) -> Rule:
-    """A rule that sizes the catch-up by the owner's local noise estimate: accumulated-mass
-    selection and the local-noise seams."""
-    return Rule(update, accumulated_score, observe=observe_local_noise, extra=NOISE_STATE,
-                reset=reset_local_noise)
-
-
-TRUST_LR = (0.5, 0.25)
-"""``catchup_agree_trustlr``: the bound ``c`` at the peak lr and as the lr goes to 0."""
-
-
-def catchup_agree_trustlr(shard: ShardState, g: torch.Tensor, idx: torch.Tensor,
-                          block_size: int, hp: dict, model_out: torch.Tensor) -> None:
-    """:func:`catchup_agree_trust` with a bound that follows the learning rate: ``c = 1/4 +
-    1/4 * lr / lr_peak`` (half the RMS at the peak, towards a quarter as the schedule decays),
-    ``lr_peak`` the largest lr the group has had (``hp["lr_peak"]``, kept by
-    :class:`scape.SCAPE`; the current lr without it). Early in a run the half bound trains
-    faster, late the quarter ends lower (bench/README.md, hypothesis 18)."""
-    lr = hp["lr"]
-    hi, lo = TRUST_LR
-    frac = lr / max(hp.get("lr_peak", lr), lr) if lr > 0.0 else 1.0
-    catchup_snr(shard, g, idx, block_size, hp, model_out, agree=True,
-                trust=lo + (hi - lo) * frac)
+    catchup_snr(shard, g, idx, block_size, hp, model_out, agree=True, trust=trust)
 
 
 GAIN_SCORES: tuple[ScoreFn, ...] = (gain_score, gain_score_residual)
-"""The scores that take a coordinate's fresh gain (the masks of the ``*_gain*`` rules)."""
+"""The scores that take a coordinate's fresh gain."""
 
 
-def _gain_selected(update: UpdateFn, score: ScoreFn = gain_score) -> Rule:
-    """A noise-sized rule whose masks take the coordinates of largest ``score`` (one of
-    :data:`GAIN_SCORES`)."""
+def noise_sized(update: UpdateFn, score: ScoreFn | None = accumulated_score, **kw: Any) -> Rule:
+    """A rule that sizes its catch-up by the owner's local noise estimate: it keeps
+    :data:`NOISE_STATE` (12 B per coordinate) through :func:`observe_local_noise`; masks by
+    ``score`` (accumulated mass by default). ``kw``: other :class:`Rule` fields."""
+    return Rule(update, score, observe=observe_local_noise, extra=NOISE_STATE,
+                reset=reset_local_noise, **kw)
+
+
+def gain_selected(update: UpdateFn, score: ScoreFn = gain_score_residual, **kw: Any) -> Rule:
+    """A noise-sized rule whose masks take the coordinates of largest gain (``score``, one of
+    :data:`GAIN_SCORES`): it keeps :data:`GAIN_STATE` (16 B per coordinate) through
+    :func:`observe_local_moments`. ``kw``: other :class:`Rule` fields."""
     return Rule(update, score, observe=observe_local_moments, extra=GAIN_STATE,
-                reset=reset_local_noise, score_reads_hp=True)
-
-
-def agree_trust_rule(c: float) -> Rule:
-    """The trust-bounded agreement rule at any bound ``c`` (``trust2``: 1/2, ``trust4``: 1/4):
-    all share their state, so an optimizer's ``rule`` may be swapped between them (a bound
-    scheduled with the learning rate, bench/README.md hypothesis 18)."""
-    if isinstance(c, bool) or not (isinstance(c, (int, float)) and math.isfinite(c) and c > 0):
-        raise ValueError(f"agree_trust_rule: c must be a finite float > 0, got {c!r}")
-    return _noise_sized(functools.partial(catchup_snr, agree=True, trust=float(c)))
+                reset=reset_local_noise, score_reads_hp=True, **kw)
 
 
 RULES: dict[str, Rule] = {
+    "auto": gain_selected(functools.partial(catchup_agree, trust=0.5)),
+    "robust": gain_selected(functools.partial(catchup_agree, trust=0.25)),
+    "sqrt": Rule(catchup_sqrt, accumulated_score),
     "lazy": Rule(lazy),
-    "lazy_accum": Rule(lazy, accumulated_score),
-    "catchup_mean": Rule(catchup_mean),
-    "catchup_accum": Rule(catchup_mean, accumulated_score),
-    "catchup_sqrt": Rule(catchup_sqrt),
-    "catchup_sqrt_accum": Rule(catchup_sqrt, accumulated_score),
-    "drift_sqrt_accum": Rule(catchup_sqrt, accumulated_score, DriftSpec(0.99)),
-    "drift90_sqrt_accum": Rule(catchup_sqrt, accumulated_score, DriftSpec(0.9)),
-    "drift_accum": Rule(catchup_mean, accumulated_score, DriftSpec(0.99)),
-    "drift_commit_sqrt_accum": Rule(catchup_sqrt, accumulated_score, DriftSpec(0.99, True)),
-    "drift90_commit_sqrt_accum": Rule(catchup_sqrt, accumulated_score, DriftSpec(0.9, True)),
-    "drift_commit_lazy_accum": Rule(lazy, accumulated_score, DriftSpec(0.99, True)),
-    "drift_commit_accum": Rule(catchup_mean, accumulated_score, DriftSpec(0.99, True)),
-    "catchup_snr_accum": _noise_sized(catchup_snr),
-    "catchup_agree_accum": _noise_sized(catchup_agree),
-    "catchup_snr_sqrt_accum": _noise_sized(catchup_snr_sqrt),
-    "catchup_agree_sqrt_accum": _noise_sized(catchup_agree_sqrt),
-    "catchup_agree_cap_accum": _noise_sized(catchup_agree_cap),
-    "catchup_agree_trust_accum": _noise_sized(catchup_agree_trust),
-    "catchup_agree_trust2_accum": _noise_sized(catchup_agree_trust2),
-    "catchup_agree_trust4_accum": _noise_sized(catchup_agree_trust4),
-    "catchup_agree_trustlr_accum": _noise_sized(catchup_agree_trustlr),
-    "catchup_agree_trust2_gain": _gain_selected(catchup_agree_trust2),
-    "catchup_agree_trust4_gain": _gain_selected(catchup_agree_trust4),
-    "catchup_agree_trust2_gainr": _gain_selected(catchup_agree_trust2, gain_score_residual),
-    "catchup_agree_trust4_gainr": _gain_selected(catchup_agree_trust4, gain_score_residual),
 }
-"""Sparse-step rules by the name passed as ``update=``."""
+"""The rules ``update=`` accepts, by name: the four built in (module docstring) and those
+added with :func:`register`."""
+
+BUILTIN = tuple(RULES)
+"""The names of the built-in rules (they cannot be replaced)."""
+
+
+def register(name: str, rule: Rule, *, replace: bool = False) -> None:
+    """Make ``rule`` available as ``scape.SCAPE(..., update=name)``.
+
+    Register the same rule on every rank before building the optimizer (the optimizer checks
+    that every rank uses the same name). A name already registered raises unless ``replace``;
+    the built-in names (:data:`BUILTIN`) cannot be replaced.
+    """
+    if not isinstance(name, str) or not name or any(c.isspace() for c in name):
+        raise ValueError(f"register: name must be a non-empty string without spaces, got "
+                         f"{name!r}")
+    if not isinstance(rule, Rule):
+        raise TypeError(f"register: rule must be a scape.rules.Rule, got "
+                        f"{type(rule).__name__}")
+    if name in BUILTIN:
+        raise ValueError(f"register: {name!r} is a built-in rule and cannot be replaced")
+    if name in RULES and not replace and RULES[name] is not rule:
+        raise ValueError(f"register: a rule named {name!r} is already registered (pass "
+                         "replace=True to replace it)")
+    RULES[name] = rule
+
+
+def get(name: Any) -> Rule:
+    """The rule registered as ``name``; ``ValueError`` naming the known ones otherwise."""
+    if not isinstance(name, str) or name not in RULES:
+        raise ValueError(f"Invalid update rule: {name!r} (expected one of {sorted(RULES)}, "
+                         "or a name added with scape.rules.register)")
+    return RULES[name]
+
+
+def round_half_up(x: float) -> int:
+    """``round`` with halves going up (Python's ``round`` goes to even)."""
+    return int(math.floor(x + 0.5))
+
+
+def block_budget(sparsity: float, block_size: int, explore: float) -> tuple[int, int]:
+    """``(k_b, k_x)``: coordinates per block a mask takes at ``sparsity``, and how many of them
+    are chosen by age (``explore`` of them)."""
+    k = max(1, round_half_up((1.0 - sparsity) * block_size))
+    return k, round_half_up(explore * k)

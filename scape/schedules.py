@@ -4,10 +4,9 @@ makes a mask).
 
 A sparsity warm-up spends more of a run's bytes early, as Deep Gradient Compression (Lin et
 al., 2018) does. On the bundled workload it did not beat the same bytes spread evenly over the
-run (bench/README.md, hypothesis 11): take it for what it is, a schedule, not a quality fix.
-Where it pays is in place of dense warm-up steps: 2 dense steps and a 40-step ramp from 0.5
-kept nearly all the quality of 20 dense steps for 22% fewer bytes over a 2,000-step run
-(hypothesis 13).
+run (docs/research.md): take it for what it is, a schedule, not a quality fix. Where it pays
+is in place of dense warm-up steps: 2 dense steps and a 40-step ramp from 0.5 kept nearly all
+the quality of 20 dense steps for 22% fewer bytes over a 2,000-step run (docs/research.md).
 """
 
 from __future__ import annotations

@@ -4,6 +4,7 @@ snapshots of everything the optimizer and the model hold."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import time
 
@@ -13,7 +14,19 @@ import scape
 
 BLOCK = 256
 OPT_KW = dict(lr=2e-2, sparsity=0.9, block_size=BLOCK, warmup_steps=3, dense_every=5,
-              explore=0.25, weight_decay=0.01)
+              update="auto", weight_decay=0.01)
+EXPLORE = 0.25
+"""The masks take a quarter of each block's budget by age: the age path runs every step."""
+
+
+def explore_rule(update: str) -> str:
+    """The rule ``update`` at :data:`EXPLORE`, registered (idempotent) under a name of its own
+    (in every process that builds an optimizer: the registry is per process)."""
+    name = f"{update}-explore{EXPLORE:g}"
+    if name not in scape.rules.RULES:
+        base = scape.rules.get(update)
+        scape.rules.register(name, dataclasses.replace(base, explore=EXPLORE))
+    return name
 
 
 def make_model(seed: int = 0) -> torch.nn.Module:
@@ -27,6 +40,7 @@ def make_model(seed: int = 0) -> torch.nn.Module:
 
 def make_opt(model: torch.nn.Module, comm=None, **over) -> scape.SCAPE:
     kw = {**OPT_KW, **over}
+    kw["update"] = explore_rule(kw["update"])
     decay = [p for n, p in model.named_parameters() if n.endswith("weight")]
     other = [p for n, p in model.named_parameters() if not n.endswith("weight")]
     groups = [{"params": decay}, {"params": other, "sparsity": 0.0, "weight_decay": 0.0}]

@@ -10,6 +10,7 @@ import pytest
 import torch
 from dist import run_ranks
 
+import bench.research.rules  # noqa: F401 (registers the research rules named below)
 import scape
 from scape.comm import TorchCommunicator
 from scape.rules import (

@@ -8,13 +8,15 @@ at step t+1 the mask computed at step t.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.distributed as dist
 from dist import run_ranks
 
 import scape
-from scape.optimizer import block_budget
+from scape.rules import block_budget
 
 SHAPES = [(37, 19), (300,), (5, 7, 11)]  # sizes that need padding
 
@@ -101,7 +103,7 @@ def test_dense_equals_single_process_reference(world):
 
 # ----------------------------------------------------------------------------- sparse
 CONFIGS = {
-    "base": dict(sparsity=0.9, warmup_steps=2, explore=0.1),
+    "base": dict(sparsity=0.9, warmup_steps=2),
     "dense_every": dict(sparsity=0.9, warmup_steps=1, dense_every=4),
     "explore0": dict(sparsity=0.99, warmup_steps=2, explore=0.0),
     "explore1": dict(sparsity=0.9, warmup_steps=2, explore=1.0),
@@ -109,10 +111,25 @@ CONFIGS = {
     "bf16": dict(sparsity=0.9, warmup_steps=2, dtype=torch.bfloat16),
     "set_to_none": dict(sparsity=0.9, warmup_steps=2, set_to_none=True),
     "lazy": dict(sparsity=0.9, warmup_steps=2, update="lazy"),
+    "sqrt": dict(sparsity=0.9, warmup_steps=2, update="sqrt"),
+    "robust": dict(sparsity=0.9, warmup_steps=2, update="robust"),
     # the group's sparsity changed before every step (a sparsity warm-up and back)
     "schedule": dict(sparsity=0.9, warmup_steps=2,
                      schedule=[0.9, 0.9, 0.95, 0.8, 0.99, 0.97, 0.9, 0.9, 0.95]),
 }
+
+
+def _rule_options(cfg: dict) -> dict:
+    """``cfg`` with ``explore``/``error_feedback`` turned into a registered variant of its rule
+    (they are fields of a rule, not optimizer arguments)."""
+    opts = {k: cfg.pop(k) for k in ("explore", "error_feedback") if k in cfg}
+    if opts:
+        base = cfg.get("update", "auto")
+        name = base + "".join(f"-{k}{v}" for k, v in sorted(opts.items()))
+        if name not in scape.rules.RULES:
+            scape.rules.register(name, dataclasses.replace(scape.rules.get(base), **opts))
+        cfg["update"] = name
+    return cfg
 
 
 def _gather_cat(t: torch.Tensor, world: int) -> torch.Tensor:
@@ -135,7 +152,7 @@ def _sparse_body(rank, world, names, steps):
         set_to_none = cfg.pop("set_to_none", False)
         schedule = cfg.pop("schedule", None)
         params = _params(3, dtype)
-        opt = scape.SCAPE(params, lr=1e-2, block_size=block, **cfg)
+        opt = scape.SCAPE(params, lr=1e-2, block_size=block, **_rule_options(dict(cfg)))
         b = opt.buckets[0]
         delivered = torch.zeros(b.shard_size, dtype=torch.float64)
         grad_sum = torch.zeros(b.n_pad, dtype=torch.float64)

@@ -30,7 +30,7 @@ from scape.comm import TorchCommunicator
 DISAGREE = {  # field -> what rank 1 changes
     "sparsity": dict(sparsity=0.8), "block_size": dict(block_size=512),
     "param_shapes": "shape", "param_order": "order", "param_dtypes": "dtype",
-    "lr": dict(lr=3e-2), "betas": dict(betas=(0.9, 0.99)),
+    "lr": dict(lr=3e-2), "betas": dict(betas=(0.9, 0.99)), "update": dict(update="sqrt"),
 }
 
 
@@ -72,6 +72,8 @@ BAD = {  # name -> (builder of SCAPE(...) arguments, exception, words in the mes
                   "Invalid block_size"),
     "block_128": (lambda: ([_p(4)], dict(lr=1e-3, block_size=128)), ValueError,
                   "Invalid block_size"),
+    "unknown_update": (lambda: ([_p(4)], dict(lr=1e-3, update="adam")), ValueError,
+                       "Invalid update rule"),
     "warmup_0": (lambda: ([_p(4)], dict(lr=1e-3, warmup_steps=0)), ValueError,
                  "Invalid warmup_steps"),
     "empty": (lambda: ([], dict(lr=1e-3)), ValueError, "empty parameter list"),

@@ -9,25 +9,26 @@ import pytest
 import torch
 from conftest import nan_empty
 
+from bench.research.rules import TrustFollowsLr, agree_trust_rule  # registers the research rules
 from scape.rules import (
     NOISE_BETA,
     NOISE_STATE,
     RULES,
     ShardState,
     accumulated_score,
-    agree_trust_rule,
     catchup_agree,
-    catchup_agree_cap,
-    catchup_agree_sqrt,
-    catchup_agree_trust,
-    catchup_agree_trust2,
-    catchup_agree_trust4,
     catchup_mean,
     catchup_snr,
-    catchup_snr_sqrt,
     lazy,
     observe_local_noise,
 )
+
+catchup_agree_cap = RULES["catchup_agree_cap_accum"].update
+catchup_agree_sqrt = RULES["catchup_agree_sqrt_accum"].update
+catchup_agree_trust = RULES["catchup_agree_trust_accum"].update
+catchup_agree_trust2 = RULES["catchup_agree_trust2_accum"].update
+catchup_agree_trust4 = RULES["catchup_agree_trust4_accum"].update
+catchup_snr_sqrt = RULES["catchup_snr_sqrt_accum"].update
 
 BLOCK = 256
 HP = dict(lr=3e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
@@ -262,14 +263,17 @@ def test_agree_trust_rule_is_the_trust_rule_at_any_bound(c):
             agree_trust_rule(bad)
 
 
-@pytest.mark.parametrize("lr_peak,c", [(HP["lr"], 0.5), (2 * HP["lr"], 0.375),
-                                       (1e6 * HP["lr"], 0.25 + 0.25e-6), (None, 0.5)])
-def test_trustlr_bound_follows_the_lr(lr_peak, c):
-    """``catchup_agree_trustlr``: ``c = 1/4 + 1/4 * lr / lr_peak``, bit for bit the rule at
-    that fixed bound; without ``lr_peak`` the half bound."""
+@pytest.mark.parametrize("ratio,c", [(1.0, 0.5), (2.0, 0.375), (1e3, 0.25 + 0.25e-3)])
+def test_trustlr_bound_follows_the_lr(ratio, c):
+    """``catchup_agree_trustlr``: ``c = 1/4 + 1/4 * lr / lr_peak`` with ``lr_peak`` the largest
+    lr the shard was stepped with, bit for bit the rule at that fixed bound."""
     s, before, idx, g = _binding_case(51)
-    hp = dict(HP, world=4, weight_decay=0.0, **({} if lr_peak is None else {"lr_peak": lr_peak}))
-    RULES["catchup_agree_trustlr_accum"].update(s, g, idx, BLOCK, hp, nan_empty(60))
+    hp = dict(HP, world=4, weight_decay=0.0)
+    rule = TrustFollowsLr()
+    rule(s, g, idx, BLOCK, dict(hp, lr=ratio * HP["lr"]), nan_empty(60))  # sets the peak
+    for t, t0 in ((s.master, before.master), (s.m, before.m), (s.age, before.age)):
+        t.copy_(t0)  # the same shard (the peak is kept per shard), its state as before
+    rule(s, g, idx, BLOCK, hp, nan_empty(60))
     ref = _clone(before)
     agree_trust_rule(c).update(ref, g, idx, BLOCK, hp, nan_empty(60))
     assert torch.equal(s.master, ref.master) and torch.equal(s.m, ref.m)

@@ -1,0 +1,125 @@
+"""The research rules, registered with :func:`scape.rules.register` on import.
+
+Each is a :class:`scape.rules.Rule` built from the library's public building blocks; the
+findings behind them are in docs/research.md. The library's four built-in rules are also
+registered here under the names the research used for them, so the research commands keep
+working: ``catchup_agree_trust2_gainr`` is ``auto``, ``catchup_agree_trust4_gainr`` is
+``robust``, ``catchup_sqrt_accum`` is ``sqrt``.
+
+Names: ``catchup_<size>_<mask>``. The catch-up size: ``mean`` (all ``a + 1`` steps), ``sqrt``
+(``sqrt(a + 1)``), ``snr`` (by the arrived mean's signal-to-noise ratio), ``agree`` (by the
+expected sign agreement of dense AdamS), ``agree_sqrt`` (never below ``sqrt``), ``agree_cap``
+(never above ``sqrt``), ``agree_trust{,2,4}`` (displacement bounded by 1, 1/2, 1/4 of the
+block RMS), ``agree_trustlr`` (the bound follows the lr from 1/2 at the peak to 1/4). The
+mask: none (``|m|``), ``accum`` (``|m| (age + 1)``), ``gain`` (the fresh gain from the EMA),
+``gainr`` (the gain with the summed wait).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any
+
+import torch
+
+from scape import rules
+from scape.rules import (
+    RULES,
+    Rule,
+    ShardState,
+    accumulated_score,
+    catchup_agree,
+    catchup_mean,
+    catchup_snr,
+    catchup_sqrt,
+    gain_score,
+    gain_selected,
+    lazy,
+    noise_sized,
+)
+
+TRUST_LR = (0.5, 0.25)
+"""``catchup_agree_trustlr``: the bound ``c`` at the peak lr and as the lr goes to 0."""
+
+
+def agree_trust_rule(c: float) -> Rule:
+    """The trust-bounded agreement rule at any bound ``c`` (``trust2``: 1/2, ``trust4``: 1/4)
+    with masks by accumulated mass. All share their state, so an optimizer's ``rule`` may be
+    swapped between them between steps (a bound scheduled with the lr)."""
+    if isinstance(c, bool) or not (isinstance(c, (int, float)) and math.isfinite(c) and c > 0):
+        raise ValueError(f"agree_trust_rule: c must be a finite float > 0, got {c!r}")
+    return noise_sized(functools.partial(catchup_agree, trust=float(c)))
+
+
+class TrustFollowsLr:
+    """The agreement catch-up whose bound follows the learning rate: ``c = 1/4 + 1/4 * lr /
+    lr_peak``, ``lr_peak`` the largest lr this shard has been stepped with (kept here per
+    shard, not in checkpoints: a resumed run starts its peak again)."""
+
+    def __init__(self) -> None:
+        self.peak: dict[int, float] = {}
+
+    def __call__(self, shard: ShardState, g: torch.Tensor, idx: torch.Tensor,
+                 block_size: int, hp: dict, model_out: torch.Tensor) -> None:
+        lr = hp["lr"]
+        peak = max(self.peak.get(id(shard.master), 0.0), lr)
+        self.peak[id(shard.master)] = peak
+        hi, lo = TRUST_LR
+        frac = lr / peak if lr > 0.0 else 1.0
+        catchup_snr(shard, g, idx, block_size, hp, model_out, agree=True,
+                    trust=lo + (hi - lo) * frac)
+
+
+RESEARCH_RULES: dict[str, Rule] = {
+    "lazy_accum": Rule(lazy, accumulated_score),
+    "catchup_mean": Rule(catchup_mean),
+    "catchup_accum": Rule(catchup_mean, accumulated_score),
+    "catchup_sqrt": Rule(catchup_sqrt),
+    "catchup_sqrt_accum": RULES["sqrt"],
+    "catchup_snr_accum": noise_sized(catchup_snr),
+    "catchup_agree_accum": noise_sized(catchup_agree),
+    "catchup_snr_sqrt_accum": noise_sized(functools.partial(catchup_snr, floor=0.5)),
+    "catchup_agree_sqrt_accum": noise_sized(
+        functools.partial(catchup_snr, floor=0.5, agree=True)),
+    "catchup_agree_cap_accum": noise_sized(functools.partial(catchup_snr, agree=True, cap=0.5)),
+    "catchup_agree_trust_accum": agree_trust_rule(1.0),
+    "catchup_agree_trust2_accum": agree_trust_rule(0.5),
+    "catchup_agree_trust4_accum": agree_trust_rule(0.25),
+    "catchup_agree_trustlr_accum": noise_sized(TrustFollowsLr()),
+    "catchup_agree_trust2_gain": gain_selected(functools.partial(catchup_agree, trust=0.5),
+                                               gain_score),
+    "catchup_agree_trust4_gain": gain_selected(functools.partial(catchup_agree, trust=0.25),
+                                               gain_score),
+    "catchup_agree_trust2_gainr": RULES["auto"],
+    "catchup_agree_trust4_gainr": RULES["robust"],
+}
+"""Every research rule by name (registered on import)."""
+
+
+def with_options(name: str, *, explore: float | None = None,
+                 error_feedback: bool | None = None) -> str:
+    """Register the rule ``name`` with another ``explore`` or ``error_feedback`` (the
+    schedule rows of the ablation) and return the new name, e.g. ``lazy-explore0.2`` or
+    ``lazy-noef``. The same options give the same name; registering it again is a no-op."""
+    base = RULES[name] if name in RULES else rules.get(name)
+    changes: dict[str, Any] = {}
+    suffix = ""
+    if explore is not None:
+        changes["explore"] = float(explore)
+        suffix += f"-explore{explore:g}"
+    if error_feedback is not None:
+        changes["error_feedback"] = bool(error_feedback)
+        suffix += "" if error_feedback else "-noef"
+    if not changes:
+        return name
+    new = f"{name}{suffix}"
+    if new not in RULES:
+        rules.register(new, dataclasses.replace(base, **changes))
+    return new
+
+
+for _name, _rule in RESEARCH_RULES.items():
+    if _name not in RULES:
+        rules.register(_name, _rule)
