@@ -16,6 +16,7 @@ from scape.buffers import DENSE_ALIGN, Bucket
 from scape.checkpoint import load_sharded_state, sharded_state
 from scape.comm import Communicator
 from scape.kernels import adamw_dense_
+from scape.optim_hooks import load_state_dict_hooks, state_dict_hooks
 from scape.rules import ShardState
 from scape.sharded import ShardedOptimizer
 
@@ -77,11 +78,13 @@ class DistributedAdamW(ShardedOptimizer):
     def _load_counters(self, counters: dict[str, int]) -> None:
         self._adam_step = int(counters["adam_step"])
 
+    @state_dict_hooks
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
         """This rank's shard: master weights, both moments, residual-free buffer, step."""
         self.finish_param_sync()
         return sharded_state(self, [{} for _ in self.buckets])
 
+    @load_state_dict_hooks
     def load_state_dict(self, state_dict: Any) -> None:  # type: ignore[override]
         """Load this rank's ``state_dict()``, or a list of every old rank's (any world size)."""
         self.finish_param_sync()

@@ -40,6 +40,7 @@ from scape import config
 from scape.agreement import agree, digest, tensor_digest
 from scape.buffers import flat_layout
 from scape.comm import Communicator, TorchCommunicator
+from scape.optim_hooks import load_state_dict_hooks, refuse_copy, state_dict_hooks
 from scape.profiling import phase
 from scape.step_info import StepInfo
 
@@ -71,6 +72,7 @@ class LocalSGD(torch.optim.Optimizer):
     """
 
     _name = "local SGD"
+    __getstate__ = refuse_copy
 
     def __init__(self, params: Any, inner: Any, *, sync_every: int, comm: Communicator | None,
                  align: int, fields: dict[str, Any], align_to_world: bool = False) -> None:
@@ -199,6 +201,7 @@ class LocalSGD(torch.optim.Optimizer):
             p.detach().copy_(self.synced[o:o + n].view_as(p))
 
     # ------------------------------------------------------------------- checkpoints
+    @state_dict_hooks
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
         """This rank's state: the step, ``theta_synced``, the model's local parameters
         (training may be between syncs), the outer state and the inner optimizer's state
@@ -211,6 +214,7 @@ class LocalSGD(torch.optim.Optimizer):
                 "outer": {k: v.detach().clone() for k, v in self._outer_state().items()},
                 "inner": copy.deepcopy(self.inner.state_dict())}
 
+    @load_state_dict_hooks
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
         sd = state_dict
         if not isinstance(sd, dict) or sd.get("format") != FORMAT:

@@ -34,6 +34,7 @@ from scape.buffers import DENSE_ALIGN, Bucket
 from scape.checkpoint import load_sharded_state, sharded_state
 from scape.comm import Communicator
 from scape.kernels import adams_dense_, blockwise_topk, scatter_, take_
+from scape.optim_hooks import load_state_dict_hooks, state_dict_hooks
 from scape.profiling import phase
 from scape.rules import ShardState, block_budget
 from scape.sharded import ShardedOptimizer, _Pending
@@ -300,6 +301,7 @@ class SCAPE(ShardedOptimizer):
             mask_state.next, mask_state.local = full, idx
 
     # ------------------------------------------------------------------ state
+    @state_dict_hooks
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
         """This rank's shard: master weights, ``m``, ages, residual, masks, step, groups."""
         self.finish_param_sync()
@@ -311,6 +313,7 @@ class SCAPE(ShardedOptimizer):
              "mask_current": None if m is None or m.current is None else m.current.clone()}
             for m in self.masks])
 
+    @load_state_dict_hooks
     def load_state_dict(self, state_dict: Any) -> None:  # type: ignore[override]
         """Load this rank's ``state_dict()``, or a list of every old rank's (any world size).
 

@@ -27,6 +27,7 @@ from scape.agreement import agree, digest, tensor_digest
 from scape.buffers import Bucket
 from scape.comm import CommError, Communicator, TorchCommunicator
 from scape.kernels import grad_stats
+from scape.optim_hooks import refuse_copy
 from scape.profiling import phase
 from scape.step_info import StepInfo
 
@@ -46,6 +47,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     """Base of :class:`scape.SCAPE` and :class:`scape.DistributedAdamW` (not used directly)."""
 
     _name = "sharded optimizer"
+    __getstate__ = refuse_copy
 
     def __init__(self, params: Any, defaults: dict[str, Any], *, comm: Communicator | None,
                  block_size: int, max_grad_norm: float | None,
