@@ -26,6 +26,10 @@ import torch
 DENSE_ALIGN = 128
 """Shard alignment (elements) of buckets that are always dense (no block structure)."""
 
+HOOK_ATTR = "_scape_grad_hook"
+"""Attribute of a bf16/fp16 parameter holding its gradient hook's handle: an optimizer built
+later over the same parameter removes the earlier one's hook (one owner per parameter)."""
+
 
 def flat_layout(params: Sequence[torch.Tensor], unit: int) -> tuple[list[int], list[int], int]:
     """``(numels, offsets, n_pad)`` of ``params`` laid end to end in one flat buffer:
@@ -67,11 +71,17 @@ class Bucket:
             if p.grad is not None:  # a gradient computed before the optimizer existed
                 g_view.add_(p.grad.detach().to(torch.float32))
                 p.grad = None
+            old = getattr(p, HOOK_ATTR, None)
+            if old is not None:  # an earlier optimizer's hook: the newest optimizer owns p
+                old.remove()
             if self.dtype == torch.float32:
                 p.grad = g_view
             else:
-                self._hooks.append(p.register_post_accumulate_grad_hook(self._make_hook(g_view)))
+                handle = p.register_post_accumulate_grad_hook(self._make_hook(g_view))
+                setattr(p, HOOK_ATTR, handle)
+                self._hooks.append(handle)
             self._views.append(g_view)
+        self._versions = [p._version for p in self.params]
 
     @staticmethod
     def _make_hook(g_view: torch.Tensor):
@@ -113,3 +123,14 @@ class Bucket:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+
+    def written(self) -> bool:
+        """Whether a parameter was written from outside since :meth:`mark_written`
+        (``model.load_state_dict``, an in-place edit). An in-place op on ``p`` bumps ``p``'s
+        version counter; the optimizer writes ``param_flat``, which does not, and a write
+        through ``p.data`` does not either (it is not seen)."""
+        return any(p._version != v for p, v in zip(self.params, self._versions))
+
+    def mark_written(self) -> None:
+        """Take the parameters' current values as seen (after adopting them)."""
+        self._versions = [p._version for p in self.params]

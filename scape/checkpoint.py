@@ -29,6 +29,7 @@ def sharded_state(opt: Any, extra_per_bucket: list[dict[str, Any]]) -> dict[str,
     buckets = []
     for b, s, extra in zip(opt.buckets, opt.shards, extra_per_bucket):
         entry = {"group": b.group, "dtype": str(b.dtype), "numel": b.numel, "n_pad": b.n_pad,
+                 "shapes": [list(p.shape) for p in b.params],
                  "shard_start": b.shard_start, "shard_size": b.shard_size,
                  "residual": b.grad_flat.detach().clone(),
                  "extra": {k: v.detach().clone() for k, v in s.extra.items()}}
@@ -71,6 +72,11 @@ def _check_structure(opt: Any, sd: dict[str, Any]) -> None:
                 f"bucket {i} differs: state dict has group {e['group']}, {e['dtype']}, "
                 f"{e['numel']} elements; optimizer has group {b.group}, {b.dtype}, "
                 f"{b.numel} elements (param groups or parameters changed)")
+        shapes = [list(p.shape) for p in b.params]
+        if "shapes" in e and e["shapes"] != shapes:  # states saved before 0.2 carry none
+            raise ValueError(
+                f"bucket {i} differs: state dict has parameters of shapes {e['shapes']}, the "
+                f"optimizer has {shapes} (parameters in another order, or another model)")
     if sd["block_size"] != opt.block_size:
         raise ValueError(f"state dict block_size {sd['block_size']} != {opt.block_size}")
 

@@ -89,6 +89,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 align = self._bucket_align(self.param_groups[gi])
                 self.buckets.append(Bucket(ps, gi, world, rank, align))  # type: ignore[arg-type]
         self.shards = [self._init_shard(b) for b in self.buckets]
+        self._owned = {id(p) for b in self.buckets for p in b.params}
         self._step = 0
         self._pending: list[_Pending] = []
         self._attached = False
@@ -193,21 +194,34 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return model.register_forward_pre_hook(pre_hook)
 
     def finish_param_sync(self) -> None:
-        """Wait for in-flight parameter all-gathers and write them into the model."""
+        """Wait for in-flight parameter all-gathers and write them into the model; then adopt
+        what was written into the parameters from outside (:meth:`_adopt_param_writes`)."""
         self.check_usable()
-        if not self._pending:
-            return
-        device = self._pending[0].bucket.device
-        try:
-            with phase("scape/all_gather", device):
-                for pend in self._pending:
-                    pend.work.wait()
-                    if pend.finish is not None:
-                        pend.finish()
-        except CommError as e:
-            self._failed = e
-            raise
-        self._pending.clear()
+        if self._pending:
+            device = self._pending[0].bucket.device
+            written = {id(b) for b in self.buckets if b.written()}
+            try:
+                with phase("scape/all_gather", device):
+                    for pend in self._pending:
+                        pend.work.wait()
+                        if pend.finish is not None and id(pend.bucket) not in written:
+                            pend.finish()  # (values written meanwhile are kept instead)
+            except CommError as e:
+                self._failed = e
+                raise
+            self._pending.clear()
+        self._adopt_param_writes()
+
+    def _adopt_param_writes(self) -> None:
+        """Parameters written outside the optimizer since its last write of them
+        (``model.load_state_dict(...)`` after construction, an in-place edit) become the
+        master weights of this rank's shard, as torch.optim optimizers step from whatever the
+        parameters hold. Each rank adopts what its own model holds: write the same values on
+        every rank (as loading a checkpoint does), or the replicas differ."""
+        for b, s in zip(self.buckets, self.shards):
+            if b.written():
+                s.master.copy_(b.param_flat[b.shard])
+                b.mark_written()
 
     def check_usable(self) -> None:
         """Raise ``RuntimeError`` if a collective of an earlier step failed.
@@ -241,6 +255,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 "world": self.comm.world_size}
 
     # ------------------------------------------------------------------- the step
+    @torch.compiler.disable
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         self.check_usable()
         try:
@@ -261,6 +276,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if set_step is not None:
             set_step(self._step)
         before = {k: int(v["bytes"]) for k, v in self.comm.stats.items()}
+        self._check_unfrozen()
         for b in self.buckets:
             b.fold_stray_grads()
         fault = self._faults
@@ -332,6 +348,20 @@ class ShardedOptimizer(torch.optim.Optimizer):
                    if int(v["bytes"]) - before.get(k, 0)},
             mask_size=sum(self._sync_size(i, d) for i, d in enumerate(dense_flags)))
         return loss
+
+    def _check_unfrozen(self) -> None:
+        """A parameter frozen (``requires_grad=False``) when the optimizer was built has no
+        place in its buffers: if it has a gradient now, raise instead of ignoring it."""
+        owned = self._owned
+        for gi, g in enumerate(self.param_groups):
+            for p in g["params"]:
+                if p.grad is not None and p.requires_grad and id(p) not in owned:
+                    raise ValueError(
+                        f"{self._name}: a parameter of shape {tuple(p.shape)} in param group "
+                        f"{gi} has a gradient but had requires_grad=False when the optimizer "
+                        "was built, so it has no place in the optimizer's buffers; build the "
+                        "optimizer after setting requires_grad (or keep the parameter "
+                        "trainable and set its group's lr to 0 while it should stay frozen)")
 
     def _sync_size(self, i: int, dense: bool) -> int:
         return self.buckets[i].n_pad

@@ -1,0 +1,67 @@
+"""Parameters written outside the optimizer after it was built (``model.load_state_dict``,
+in-place edits) are adopted as the new master weights, on real gloo ranks, in both sync modes
+(waited in ``step()``, and through ``attach``), across dense and sparse steps."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from dist import run_ranks
+
+import scape
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.Tanh(), torch.nn.Linear(40, 6))
+
+
+def _step(model, opt, t: int, rank: int) -> None:
+    g = torch.Generator().manual_seed(100 * t + rank)
+    model(torch.randn(8, 24, generator=g)).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _body(rank: int, world: int, attach: bool, write_at: int) -> list[list[float]]:
+    model = _model()
+    opt = scape.SCAPE(model.parameters(), lr=1e-3, sparsity=0.9, block_size=256,
+                      warmup_steps=2)
+    if attach:
+        opt.attach(model)
+    for t in range(1, 7):
+        if t == write_at:  # every rank loads the same weights, as from a checkpoint
+            loaded = {k: torch.full_like(v, 0.25) for k, v in model.state_dict().items()}
+            model.load_state_dict(loaded)
+            for g in opt.param_groups:
+                g["lr"] = 1e-7
+        _step(model, opt, t, rank)
+    opt.finish_param_sync()
+    for b, s in zip(opt.buckets, opt.shards):  # the rank's shard was adopted (padding: 0)
+        real = max(0, min(b.shard_size, b.numel - b.shard_start))
+        assert float((s.master[:real] - 0.25).abs().max()) < 1e-4
+        assert not bool(s.master[real:].any())
+    return [p.detach().flatten().tolist() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("attach", [False, True], ids=["waited", "attached"])
+@pytest.mark.parametrize("write_at", [2, 5], ids=["before_dense_step", "before_sparse_step"])
+def test_written_weights_are_adopted_on_every_rank(attach, write_at):
+    res = run_ranks(_body, 2, attach, write_at, timeout=120)
+    assert res[0] == res[1]  # the replicas agree
+    for p in res[0]:
+        assert max(abs(x - 0.25) for x in p) < 1e-4  # trained from the written weights
+
+
+def test_unwritten_parameters_keep_the_optimizer_values():
+    """No write, no adoption: the master weights stay the optimizer's fp32 values (a bf16
+    model would otherwise lose their low bits at every step)."""
+    model = _model().to(torch.bfloat16)
+    opt = scape.SCAPE(model.parameters(), lr=1e-3, sparsity=0.9, block_size=256,
+                      warmup_steps=2)
+    for t in range(1, 6):
+        g = torch.Generator().manual_seed(t)
+        model(torch.randn(8, 24, generator=g).bfloat16()).float().square().mean().backward()
+        opt.step()
+    master = opt.shards[0].master
+    assert not torch.equal(master, master.to(torch.bfloat16).float())  # fp32 bits kept
