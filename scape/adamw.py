@@ -62,6 +62,9 @@ class DistributedAdamW(ShardedOptimizer):
     def _is_dense(self, i: int) -> bool:
         return True
 
+    def _state_tensors(self, shard: ShardState) -> dict[str, torch.Tensor]:
+        return {"exp_avg": shard.m, "exp_avg_sq": shard.extra["v"], "master": shard.master}
+
     def _apply(self, gs: list[torch.Tensor], dense_flags: list[bool]) -> None:
         self._adam_step += 1
         super()._apply(gs, dense_flags)

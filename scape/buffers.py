@@ -62,11 +62,14 @@ class Bucket:
         self.param_flat = torch.zeros(self.n_pad, dtype=self.dtype, device=self.device)
         self.grad_flat = torch.zeros(self.n_pad, dtype=torch.float32, device=self.device)
         self._views: list[torch.Tensor] = []
+        self._param_views: list[torch.Tensor] = []
         self._hooks = []
+        self._moved = False
         for p, o, n in zip(self.params, self.offsets, self.numels):
             view = self.param_flat[o:o + n].view_as(p)
             view.copy_(p.detach())
             p.data = view
+            self._param_views.append(view)
             g_view = self.grad_flat[o:o + n].view_as(p)
             if p.grad is not None:  # a gradient computed before the optimizer existed
                 g_view.add_(p.grad.detach().to(torch.float32))
@@ -104,7 +107,12 @@ class Bucket:
         was replaced.
         """
         fp32 = self.dtype == torch.float32
-        for p, g_view in zip(self.params, self._views):
+        for i, (p, o, n) in enumerate(zip(self.params, self.offsets, self.numels)):
+            g_view = self._views[i]
+            if g_view.data_ptr() != self.grad_flat[o:].data_ptr():
+                # ``g_view.data`` was replaced (``model.to(...)`` moves ``p.grad`` in place
+                # of its data): its values are the gradient, a new view takes its place
+                g_view = self._views[i] = self.grad_flat[o:o + n].view_as(p)
             g = p.grad
             if g is None:
                 if fp32:
@@ -129,8 +137,27 @@ class Bucket:
         (``model.load_state_dict``, an in-place edit). An in-place op on ``p`` bumps ``p``'s
         version counter; the optimizer writes ``param_flat``, which does not, and a write
         through ``p.data`` does not either (it is not seen)."""
-        return any(p._version != v for p, v in zip(self.params, self._versions))
+        return self._moved or any(p._version != v for p, v in zip(self.params, self._versions))
 
     def mark_written(self) -> None:
         """Take the parameters' current values as seen (after adopting them)."""
         self._versions = [p._version for p in self.params]
+        self._moved = False
+
+    def reattach(self) -> None:
+        """Put back parameters moved out of ``param_flat`` (``model.to(...)`` after the
+        optimizer was built copies them, as the Hugging Face Trainer does): their values go
+        into the buffer and ``p.data`` is its view again (:meth:`written` then reports them,
+        so the optimizer adopts the values). A move to another device or dtype raises: the
+        buffers stay where the optimizer was built."""
+        for p, view in zip(self.params, self._param_views):
+            if p.data_ptr() == view.data_ptr() and p.shape == view.shape:
+                continue
+            if p.device != self.device or p.dtype != self.dtype or p.shape != view.shape:
+                raise ValueError(
+                    f"a parameter of shape {tuple(p.shape)} moved to {p.device}/{p.dtype} "
+                    f"after the optimizer was built on {self.device}/{self.dtype}; its "
+                    "buffers cannot follow. Call model.to(...) before building the optimizer")
+            view.copy_(p.detach())
+            p.data = view
+            self._moved = True

@@ -93,6 +93,7 @@ class SCAPE(ShardedOptimizer):
     """
 
     _name = "SCAPE"
+    _step_supports_amp_scaling = True  # GradScaler hands its scale to step(), which refuses it
 
     def __init__(self, params: Any, *, lr: float, betas: tuple[float, float] = (0.9, 0.95),
                  eps: float = 1e-8, weight_decay: float = 0.0, sparsity: float = 0.99,
@@ -160,6 +161,12 @@ class SCAPE(ShardedOptimizer):
     def step(self, closure: Any = None) -> float | None:  # type: ignore[override]
         """One optimizer step (module docstring). A sparse group's ``sparsity`` may have
         changed since the last step; it is checked first, before anything changes."""
+        if getattr(self, "found_inf", None) is not None:  # set by torch.amp.GradScaler.step
+            raise ValueError(
+                "SCAPE does not support torch.amp.GradScaler: its gradient buffers also hold "
+                "the error-feedback residual, which the scaler's unscale_ would divide again "
+                "at every step. Train in bfloat16 (torch.autocast(device_type, "
+                "dtype=torch.bfloat16) needs no scaler), or use fp32")
         for b, m in zip(self.buckets, self.masks):
             if m is None:
                 continue
@@ -182,6 +189,11 @@ class SCAPE(ShardedOptimizer):
                           age=torch.zeros(bucket.shard_size, dtype=torch.int32,
                                           device=bucket.device),
                           extra={k: torch.zeros_like(master) for k in rule.extra})
+
+    def _state_tensors(self, shard: ShardState) -> dict[str, torch.Tensor]:
+        """``exp_avg`` (AdamS's only moment), the fp32 ``master`` weights, ``age`` (steps since
+        each coordinate was last sent) and the rule's statistics by their names."""
+        return {"exp_avg": shard.m, "master": shard.master, "age": shard.age, **shard.extra}
 
     def _observe(self, i: int) -> None:
         """Give the rule the owner's slice of its own buffer (before the take)."""

@@ -28,6 +28,7 @@ from scape.buffers import Bucket
 from scape.comm import CommError, Communicator, TorchCommunicator
 from scape.kernels import grad_stats
 from scape.optim_hooks import refuse_copy
+from scape.param_state import param_state
 from scape.profiling import phase
 from scape.step_info import StepInfo
 
@@ -41,6 +42,17 @@ class _Pending:
                  keep: tuple[torch.Tensor, ...] = ()) -> None:
         self.bucket, self.work, self.finish = bucket, work, finish
         self.keep = keep  # buffers the collective reads or writes: alive until it completes
+
+
+class _Handles:
+    """The hooks :meth:`ShardedOptimizer.attach` adds, removed together."""
+
+    def __init__(self, *handles: Any) -> None:
+        self.handles = handles
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
 
 
 class ShardedOptimizer(torch.optim.Optimizer):
@@ -90,6 +102,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 self.buckets.append(Bucket(ps, gi, world, rank, align))  # type: ignore[arg-type]
         self.shards = [self._init_shard(b) for b in self.buckets]
         self._owned = {id(p) for b in self.buckets for p in b.params}
+        self.state = param_state(self.buckets, self.shards, self._state_tensors)
+        """Per-parameter views of what this rank holds (:mod:`scape.param_state`)."""
         self._step = 0
         self._pending: list[_Pending] = []
         self._attached = False
@@ -121,6 +135,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         raise NotImplementedError
 
     def _is_dense(self, bucket_index: int) -> bool:
+        raise NotImplementedError
+
+    def _state_tensors(self, shard: Any) -> dict[str, torch.Tensor]:
+        """A shard's tensors by the name ``opt.state[p]`` gives them."""
         raise NotImplementedError
 
     def _dense_update(self, i: int, g: torch.Tensor, hp: dict, model_out: torch.Tensor) -> None:
@@ -180,18 +198,26 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def step_count(self) -> int:
         return self._step
 
-    def attach(self, model: torch.nn.Module) -> torch.utils.hooks.RemovableHandle:
+    def attach(self, model: torch.nn.Module) -> _Handles:
         """Wait for the parameter all-gather just before ``model``'s next forward.
 
         Without it, ``step()`` waits before returning. With it, the all-gather overlaps
         with whatever runs between ``step()`` and the next forward (data loading, logging).
+        ``model.load_state_dict`` waits for it first too; for another in-place write of the
+        parameters between ``step()`` and the next forward, call :meth:`finish_param_sync`
+        before writing. Returns a handle whose ``remove()`` removes both hooks.
         """
         self._attached = True
 
         def pre_hook(module: torch.nn.Module, args: Any) -> None:
             self.finish_param_sync()
 
-        return model.register_forward_pre_hook(pre_hook)
+        def load_pre_hook(module: torch.nn.Module, *args: Any) -> None:
+            self.finish_param_sync()  # a dense all-gather in flight must not land after it
+
+        load = model.register_load_state_dict_pre_hook(load_pre_hook)
+        forward = model.register_forward_pre_hook(pre_hook)
+        return _Handles(forward, load)
 
     def finish_param_sync(self) -> None:
         """Wait for in-flight parameter all-gathers and write them into the model; then adopt
@@ -219,6 +245,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         parameters hold. Each rank adopts what its own model holds: write the same values on
         every rank (as loading a checkpoint does), or the replicas differ."""
         for b, s in zip(self.buckets, self.shards):
+            b.reattach()
             if b.written():
                 s.master.copy_(b.param_flat[b.shard])
                 b.mark_written()

@@ -65,3 +65,35 @@ def test_unwritten_parameters_keep_the_optimizer_values():
         opt.step()
     master = opt.shards[0].master
     assert not torch.equal(master, master.to(torch.bfloat16).float())  # fp32 bits kept
+
+
+def test_model_moved_after_construction_keeps_training():
+    """``model.to("cpu:0")`` after building the optimizer (as the Hugging Face Trainer does)
+    copies the parameters out of the optimizer's buffer: the next step puts them back and
+    trains them, bit for bit like a run without the move."""
+    runs = []
+    for move in (False, True):
+        model = _model()
+        opt = scape.SCAPE(model.parameters(), lr=1e-2, sparsity=0.9, block_size=256,
+                          warmup_steps=2)
+        if move:
+            model.to("cpu:0")
+            flat = opt.buckets[0].param_flat
+            assert model[0].weight.data_ptr() != flat.data_ptr()  # really copied out
+        for t in range(1, 6):
+            _step(model, opt, t, 0)
+        runs.append([p.detach().clone() for p in model.parameters()])
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+    assert model[0].weight.data_ptr() == opt.buckets[0].param_flat.data_ptr()
+
+
+def test_model_moved_to_another_dtype_raises_with_the_fix():
+    model = _model()
+    opt = scape.SCAPE(model.parameters(), lr=1e-2, sparsity=0.9, block_size=256,
+                      warmup_steps=2)
+    model.to(torch.float64)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    with pytest.raises(ValueError, match="before building the optimizer"):
+        opt.step()

@@ -181,10 +181,53 @@ def compiled_step_runs(name: str) -> None:
         torch.testing.assert_close(p, q)
 
 
+def grad_scaler_works_or_raises(name: str) -> None:
+    """``torch.amp.GradScaler``: the scaled run (a power-of-two scale, so unscaling is exact)
+    trains like the unscaled one, or the first ``scaler.step`` raises a ValueError saying what
+    to use instead; also after an explicit ``scaler.unscale_`` (for clipping)."""
+    plain_model, scaled_model = _model(), _model()
+    plain, scaled = BUILDERS[name](plain_model), BUILDERS[name](scaled_model)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 4, growth_interval=1000)
+    g = torch.Generator().manual_seed(4)
+    for _ in range(8):
+        x = torch.randn(8, 16, generator=g)
+        plain_model(x).square().mean().backward()
+        plain.step()
+        plain.zero_grad()
+        scaler.scale(scaled_model(x).square().mean()).backward()
+        scaler.unscale_(scaled)
+        try:
+            scaler.step(scaled)
+        except ValueError as e:
+            assert "GradScaler" in str(e) and "bfloat16" in str(e), str(e)
+            return
+        scaler.update()
+        scaled.zero_grad()
+    for p, q in zip(plain_model.parameters(), scaled_model.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def state_holds_each_parameters_tensors(name: str) -> None:
+    """``opt.state[p]`` for every trainable parameter, with ``exp_avg`` in the parameter's
+    shape (one process owns every coordinate), a view that follows the optimizer."""
+    model = _model()
+    opt = BUILDERS[name](model)
+    _train(model, opt)
+    params = [p for p in model.parameters() if p.requires_grad]
+    assert len(opt.state) == len(params)
+    for p in params:
+        st = opt.state[p]
+        assert st["exp_avg"].shape == p.shape and bool(st["exp_avg"].any())
+    before = opt.state[params[0]]["exp_avg"].clone()
+    _train(model, opt, 2)
+    assert not torch.equal(opt.state[params[0]]["exp_avg"], before)
+
+
 BEHAVIOURS = [state_dict_hooks_run, copy_works_or_refuses_at_once,
               weights_written_after_construction_are_kept, unfrozen_parameter_trains_or_raises,
               second_optimizer_gets_gradients, state_of_another_layout_is_refused,
-              compiled_step_runs]
+              compiled_step_runs, grad_scaler_works_or_raises,
+              state_holds_each_parameters_tensors]
 
 
 BEYOND_TORCH = {state_of_another_layout_is_refused}
