@@ -5,6 +5,7 @@ every coordinate exactly once."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from dist import run_ranks
 
@@ -53,3 +54,27 @@ def test_state_views_cover_every_coordinate_once():
         assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))  # no gap, no overlap
     assert any(r[i] not in ((0, 0), (0, torch.Size(s).numel()))
                for r in res for i, s in enumerate(SHAPES))  # some parameter is cut
+
+
+def _two(shapes: list[tuple[int, ...]]) -> list[torch.nn.Parameter]:
+    g = torch.Generator().manual_seed(3)
+    return [torch.nn.Parameter(torch.randn(s, generator=g)) for s in shapes]
+
+
+def test_checkpoint_of_another_layout_is_refused(tmp_path):
+    """A checkpoint file of parameters with other shapes but the same sizes (here the two
+    parameters in the other order) is refused by ``load_checkpoint`` before anything is
+    loaded, naming the shapes; the live parameters and state are unchanged."""
+    saved = _two([(40, 24), (6, 40)])
+    opt = scape.SCAPE(saved, lr=1e-3, sparsity=0.9, block_size=256, warmup_steps=1)
+    for p in saved:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    scape.save_checkpoint(opt, tmp_path / "ckpt")
+    live = _two([(6, 40), (40, 24)])
+    other = scape.SCAPE(live, lr=1e-3, sparsity=0.9, block_size=256, warmup_steps=1)
+    before = [p.detach().clone() for p in live] + [other.shards[0].master.clone()]
+    with pytest.raises(scape.CheckpointError, match="shapes"):
+        scape.load_checkpoint(other, tmp_path / "ckpt")
+    after = [p.detach() for p in live] + [other.shards[0].master]
+    assert all(torch.equal(a, b) for a, b in zip(before, after))

@@ -223,11 +223,43 @@ def state_holds_each_parameters_tensors(name: str) -> None:
     assert not torch.equal(opt.state[params[0]]["exp_avg"], before)
 
 
+def step_hooks_and_closure(name: str) -> None:
+    """``register_step_pre_hook``/``register_step_post_hook`` run around ``step()``, and
+    ``step(closure)`` evaluates the closure (with grad enabled) and returns its loss."""
+    model = _model()
+    opt = BUILDERS[name](model)
+    calls: list[str] = []
+    opt.register_step_pre_hook(lambda o, args, kwargs: calls.append("pre"))
+    opt.register_step_post_hook(lambda o, args, kwargs: calls.append("post"))
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(6))
+
+    def closure():
+        opt.zero_grad()
+        loss = model(x).square().mean()
+        loss.backward()
+        return loss
+
+    loss = opt.step(closure)
+    assert calls == ["pre", "post"] and float(loss) > 0
+
+
+def lr_scheduler_drives_the_lr(name: str) -> None:
+    """A torch LR scheduler built on the optimizer changes the lr every step uses."""
+    model = _model()
+    opt = BUILDERS[name](model)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 0.5 ** t)
+    for t in range(3):
+        _train(model, opt, 1)
+        sched.step()
+        assert opt.param_groups[0]["lr"] == pytest.approx(1e-3 * 0.5 ** (t + 1))
+
+
 BEHAVIOURS = [state_dict_hooks_run, copy_works_or_refuses_at_once,
               weights_written_after_construction_are_kept, unfrozen_parameter_trains_or_raises,
               second_optimizer_gets_gradients, state_of_another_layout_is_refused,
               compiled_step_runs, grad_scaler_works_or_raises,
-              state_holds_each_parameters_tensors]
+              state_holds_each_parameters_tensors, step_hooks_and_closure,
+              lr_scheduler_drives_the_lr]
 
 
 BEYOND_TORCH = {state_of_another_layout_is_refused}
