@@ -12,23 +12,28 @@ import os
 
 import torch
 
+from ._triton import HAVE_TRITON, MISSING
+
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MIN_BLOCK_SIZE = 256
 MAX_BLOCK_SIZE = 32768
 
 
 def use_triton(t: torch.Tensor) -> bool:
-    """Which implementation runs: Triton for CUDA tensors, torch for CPU tensors.
+    """Which implementation runs: Triton for CUDA tensors, torch for CPU tensors (and for
+    CUDA tensors where Triton is not installed).
 
     ``SCAPE_KERNELS=triton`` or ``SCAPE_KERNELS=torch`` forces one. Triton on CPU tensors only
     works through the interpreter (``TRITON_INTERPRET=1`` set before triton is imported).
     """
     mode = os.environ.get("SCAPE_KERNELS", "").strip().lower()
     if mode in ("", "auto"):
-        return t.is_cuda
+        return t.is_cuda and HAVE_TRITON
     if mode == "torch":
         return False
     if mode == "triton":
+        if not HAVE_TRITON:
+            raise RuntimeError(f"SCAPE_KERNELS=triton: {MISSING}")
         if not t.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1":
             raise RuntimeError(
                 "SCAPE_KERNELS=triton with CPU tensors needs TRITON_INTERPRET=1 set before "

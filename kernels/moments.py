@@ -18,8 +18,6 @@ from __future__ import annotations
 import math
 
 import torch
-import triton
-import triton.language as tl
 
 from . import reference
 from ._checks import (
@@ -35,6 +33,7 @@ from ._checks import (
     check_tensor,
     use_triton,
 )
+from ._triton import tl, triton
 
 _F32 = (torch.float32,)
 

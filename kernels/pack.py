@@ -32,10 +32,9 @@ bit for bit.
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
 from ._checks import FLOAT_DTYPES, check_numel, check_same_device, check_tensor, use_triton
+from ._triton import tl, triton
 
 PACK_BITS = (2, 4, 8)
 """Code widths :func:`pack_values` accepts."""

@@ -15,8 +15,6 @@ random-access rate rather than its streaming bandwidth.
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
 from . import reference
 from ._checks import (
@@ -30,6 +28,7 @@ from ._checks import (
     check_tensor,
     use_triton,
 )
+from ._triton import tl, triton
 
 
 @triton.jit

@@ -21,11 +21,10 @@ formula as torch ops moves about 100.
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
 from . import reference
 from ._checks import FLOAT_DTYPES, check_numel, check_same_device, check_tensor, use_triton
+from ._triton import tl, triton
 
 
 @triton.jit

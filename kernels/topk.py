@@ -30,8 +30,6 @@ which has no tie rule, explore part or sorted output (docs/kernels.md).
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
 from . import topk_torch
 from ._checks import (
@@ -44,6 +42,7 @@ from ._checks import (
     check_tensor,
     use_triton,
 )
+from ._triton import tl, triton
 
 
 @triton.jit
