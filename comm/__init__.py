@@ -15,7 +15,7 @@ from .nccl_backend import NcclCommunicator
 from .torch_backend import TorchCommunicator
 
 __all__ = ["Communicator", "Work", "TorchCommunicator", "NcclCommunicator", "CommError",
-           "init_communicator"]
+           "init_communicator", "as_communicator"]
 
 BACKENDS = ("auto", "torch", "nccl")
 
@@ -43,6 +43,28 @@ def init_communicator(backend: str = "auto", *, group: Any = None,
                            "torch.cuda.is_available() is False; use backend='torch'")
     kwargs: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
     return NcclCommunicator(group, **kwargs)  # type: ignore[return-value]
+
+
+def as_communicator(comm: Any) -> Communicator:
+    """What an optimizer's ``comm=`` may be, as a :class:`Communicator`: ``None`` (the default
+    process group; a single rank without torch.distributed), a ``Communicator``, a
+    ``torch.distributed.ProcessGroup`` or a one-dimensional ``DeviceMesh`` (its group, as
+    FSDP2 takes the data-parallel dimension: ``mesh["dp"]``)."""
+    if comm is None:
+        return TorchCommunicator()
+    if isinstance(comm, Communicator):
+        return comm
+    import torch.distributed as dist
+
+    if dist.is_available() and isinstance(comm, dist.ProcessGroup):
+        return TorchCommunicator(comm)
+    if type(comm).__name__ == "DeviceMesh" and hasattr(comm, "get_group"):
+        if comm.ndim != 1:
+            raise ValueError(f"comm: a DeviceMesh with {comm.ndim} dimensions; pass the "
+                             "data-parallel dimension (for example mesh['dp'])")
+        return TorchCommunicator(comm.get_group())
+    raise TypeError("comm must be None, a scape.comm.Communicator, a torch.distributed "
+                    f"ProcessGroup or a one-dimensional DeviceMesh; got {type(comm).__name__}")
 
 
 def _nccl_usable() -> bool:

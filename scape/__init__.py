@@ -11,10 +11,12 @@ from scape.adamw import DistributedAdamW
 from scape.diloco import DiLoCo
 from scape.io import CheckpointError, load_checkpoint, save_checkpoint
 from scape.optimizer import SCAPE
+from scape.replicate import broadcast_parameters
 from scape.schedules import sparsity_ramp
 from scape.sparseloco import SparseLoCo
 from scape.step_info import StepInfo
 
 __all__ = ["SCAPE", "DistributedAdamW", "StepInfo", "SparseLoCo", "DiLoCo",
-           "save_checkpoint", "load_checkpoint", "CheckpointError", "sparsity_ramp"]
+           "save_checkpoint", "load_checkpoint", "CheckpointError", "sparsity_ramp",
+           "broadcast_parameters"]
 __version__ = "0.1.0"

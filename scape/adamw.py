@@ -30,7 +30,8 @@ class DistributedAdamW(ShardedOptimizer):
         lr, betas, eps, weight_decay: as ``torch.optim.AdamW``.
         max_grad_norm: clip the synchronized gradient to this norm (None: no clipping).
         grad_comm_dtype: dtype of gradients on the wire.
-        comm: a :class:`scape.comm.Communicator` (default: ``TorchCommunicator()``).
+        comm: the data-parallel group: a ProcessGroup, a 1-D DeviceMesh or a
+            :class:`scape.comm.Communicator` (default: the default process group).
 
     A step whose gradient has a non-finite entry on any rank is skipped on every rank and
     does not advance the bias-correction step count.

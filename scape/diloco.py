@@ -39,7 +39,7 @@ import torch
 from scape import config
 from scape.agreement import agree, digest, tensor_digest
 from scape.buffers import flat_layout
-from scape.comm import Communicator, TorchCommunicator
+from scape.comm import Communicator, as_communicator
 from scape.optim_hooks import load_state_dict_hooks, refuse_copy, state_dict_hooks
 from scape.profiling import phase
 from scape.step_info import StepInfo
@@ -91,7 +91,7 @@ class LocalSGD(torch.optim.Optimizer):
         except (ValueError, TypeError) as e:
             error = e
             trainable = []
-        self.comm: Communicator = comm if comm is not None else TorchCommunicator()
+        self.comm: Communicator = as_communicator(comm)
         valid = error is None
         agreed = {k: digest(v) for k, v in fields.items()}
         agreed["sync_every"] = digest(sync_every)
@@ -263,7 +263,8 @@ class DiLoCo(LocalSGD):
         outer_lr: outer learning rate (0.7 in the DiLoCo paper).
         outer_momentum: outer momentum ``mu`` in [0, 1).
         nesterov: Nesterov momentum (needs ``outer_momentum > 0``).
-        comm: a :class:`scape.comm.Communicator` (default ``TorchCommunicator()``).
+        comm: the data-parallel group: a ProcessGroup, a 1-D DeviceMesh or a
+            :class:`scape.comm.Communicator` (default: the default process group).
 
     Bytes per sync: ``8 * N_pad`` (an fp32 reduce-scatter and all-gather, ``comm.stats``).
     """

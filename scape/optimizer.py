@@ -88,8 +88,8 @@ class SCAPE(ShardedOptimizer):
         max_grad_norm: clip the synchronized gradient to this norm (None: no clipping).
         grad_comm_dtype: dtype of gradients on the wire (float32, bfloat16, float16): bfloat16
             halves the gradient bytes.
-        comm: a :class:`scape.comm.Communicator`; default: a ``TorchCommunicator`` on the
-            default process group (single-rank when torch.distributed is not initialized).
+        comm: the data-parallel group: a ProcessGroup, a 1-D DeviceMesh or a
+            :class:`scape.comm.Communicator` (default: the default process group).
     """
 
     _name = "SCAPE"

@@ -25,7 +25,7 @@ import torch
 from scape import config, faults
 from scape.agreement import agree, digest, tensor_digest
 from scape.buffers import Bucket
-from scape.comm import CommError, Communicator, TorchCommunicator
+from scape.comm import CommError, Communicator, as_communicator
 from scape.kernels import grad_stats
 from scape.optim_hooks import refuse_copy
 from scape.param_state import param_state
@@ -78,7 +78,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                                  "requires_grad=False)")
         except (ValueError, TypeError) as e:
             error = e
-        self.comm: Communicator = comm if comm is not None else TorchCommunicator()
+        self.comm: Communicator = as_communicator(comm)
         self.block_size = block_size
         self.max_grad_norm = max_grad_norm
         self.grad_comm_dtype = grad_comm_dtype

@@ -88,7 +88,8 @@ class SparseLoCo(LocalSGD):
             [0, 1] (0: no error feedback, what is not sent is dropped at the next sync).
         outer_lr: outer learning rate ``alpha``.
         value_bits: 2, 4, 8 (packed codes with a scale per block), 16 (bf16) or 32 (fp32).
-        comm: a :class:`scape.comm.Communicator` (default ``TorchCommunicator()``).
+        comm: the data-parallel group: a ProcessGroup, a 1-D DeviceMesh or a
+            :class:`scape.comm.Communicator` (default: the default process group).
 
     ``opt.error_feedback`` is the accumulator ``a``; ``opt.last_sync`` holds this rank's
     offsets (``idx``) and dequantized values (``sent``) of the last sync. ``opt.last_step``,
