@@ -56,8 +56,20 @@ LATEST = "latest"
 _RECORD = 1 + 32 + 8 + 400  # ok flag, sha256, size, error text
 
 
+EXTRA = "extra"
+"""Key of the ``extra=`` entries in a rank's file."""
+
+
 class CheckpointError(ValueError):
     """A checkpoint is missing, incomplete, corrupt, unsafe or does not fit the optimizer."""
+
+
+def _extra_state(extra: Any) -> dict[str, Any]:
+    if not isinstance(extra, dict) or not all(isinstance(k, str) for k in extra):
+        raise TypeError("save_checkpoint: extra must be a dict with str keys, got "
+                        f"{type(extra).__name__}")
+    return {k: v.state_dict() if callable(getattr(v, "state_dict", None)) else v
+            for k, v in extra.items()}
 
 
 def rank_file(rank: int, world: int) -> str:
@@ -84,11 +96,16 @@ def atomic_write(path: Path, data: bytes) -> None:
     _fsync_dir(path.parent)
 
 
-def save_checkpoint(opt: Any, root: str | os.PathLike[str]) -> Path:
+def save_checkpoint(opt: Any, root: str | os.PathLike[str], *,
+                    extra: dict[str, Any] | None = None) -> Path:
     """Save every rank's optimizer state under ``root``; return the checkpoint directory.
 
     Call on every rank at the same step (after ``opt.step()``). The model needs no file of
     its own: ``load_checkpoint`` rebuilds the parameters from the fp32 master weights.
+    ``extra``: what else this rank's file holds, by name, in the same atomic save: an object
+    with ``state_dict()`` (an LR scheduler, a data loader) is saved as its state dict, anything
+    else as it is (tensors, numbers, strings and containers of them, such as
+    ``torch.get_rng_state()`` or a step count); :func:`load_checkpoint` gives them back.
     """
     opt.check_usable()
     comm = opt.comm
@@ -106,6 +123,8 @@ def save_checkpoint(opt: Any, root: str | os.PathLike[str]) -> Path:
     record = torch.zeros(_RECORD, dtype=torch.uint8)
     try:
         state = opt.state_dict()
+        if extra is not None:
+            state = dict(state, **{EXTRA: _extra_state(extra)})
         buf = io.BytesIO()
         torch.save(state, buf)
         data = buf.getvalue()
@@ -115,7 +134,7 @@ def save_checkpoint(opt: Any, root: str | os.PathLike[str]) -> Path:
         record[1:33] = torch.frombuffer(bytearray(hashlib.sha256(data).digest()),
                                         dtype=torch.uint8)
         record[33:41] = torch.tensor([len(data)], dtype=torch.int64).view(torch.uint8)
-    except (OSError, RuntimeError, ValueError) as e:
+    except (OSError, RuntimeError, ValueError, TypeError) as e:
         msg = f"{type(e).__name__}: {e}".encode()[: _RECORD - 41]
         record[41:41 + len(msg)] = torch.frombuffer(bytearray(msg), dtype=torch.uint8)
     fault = getattr(opt, "_faults", None)
@@ -310,9 +329,15 @@ def validate_state(opt: Any, sd: dict[str, Any], rank: int, manifest: dict[str, 
                 raise CheckpointError(f"{at}, {key}: offsets outside [0, {opt.block_size})")
 
 
-def load_checkpoint(opt: Any, path: str | os.PathLike[str]) -> int:
+def load_checkpoint(opt: Any, path: str | os.PathLike[str], *,
+                    extra: dict[str, Any] | None = None) -> int:
     """Load the checkpoint at ``path`` (a checkpoint directory, or a root with ``latest``)
     into ``opt`` on every rank, on any world size; return its step.
+
+    ``extra``: the names to restore of what :func:`save_checkpoint` saved with ``extra=``
+    (from this rank's file; on another world size, from old rank ``rank % old_world``): an
+    object with ``load_state_dict`` loads its state, any other value is replaced in the dict.
+    A name the checkpoint lacks raises like any other mismatch, before anything is loaded.
 
     Raises :class:`CheckpointError` (a ``ValueError``) on every rank, with the optimizer and
     the model untouched, when any rank finds a problem.
@@ -322,6 +347,7 @@ def load_checkpoint(opt: Any, path: str | os.PathLike[str]) -> int:
     rank, world = comm.rank, comm.world_size
     error: Exception | None = None
     states: list[dict[str, Any]] = []
+    saved_extra: dict[str, Any] = {}
     name = ""
     try:
         ckpt = resolve(path)
@@ -336,10 +362,26 @@ def load_checkpoint(opt: Any, path: str | os.PathLike[str]) -> int:
             sd = read_state(ckpt, manifest["files"][r])
             validate_state(opt, sd, r, manifest)
             states.append(sd)
+        saved_extra = states[rank % old_world if old_world != world else 0].get(EXTRA, {})
+        if extra is not None:
+            if not isinstance(extra, dict):
+                raise CheckpointError(f"load_checkpoint: extra must be a dict, got "
+                                      f"{type(extra).__name__}")
+            missing = sorted(set(extra) - set(saved_extra))
+            if missing:
+                raise CheckpointError(f"{ckpt} has no extra {missing} (it has "
+                                      f"{sorted(saved_extra)})")
     except CheckpointError as e:
         error = e
     # one all-gather: the same error on every rank if any rank failed; the same directory
     agree(comm, {"checkpoint": digest(name) if error is None else 0}, error,
           what="load_checkpoint")
+    states = [{k: v for k, v in sd.items() if k != EXTRA} for sd in states]
     opt.load_state_dict(states[0] if world == manifest["world_size"] else states)
+    if extra is not None:
+        for k in extra:
+            if callable(getattr(extra[k], "load_state_dict", None)):
+                extra[k].load_state_dict(saved_extra[k])
+            else:
+                extra[k] = saved_extra[k]
     return int(manifest["step"])
