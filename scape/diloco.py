@@ -68,7 +68,10 @@ class LocalSGD(torch.optim.Optimizer):
 
     ``param_groups`` *is* the inner optimizer's list, so an LR scheduler built on this
     optimizer drives the inner learning rate (as ``Lookahead`` wrappers do). ``step()``
-    steps the inner optimizer and, every ``sync_every`` steps, runs the outer sync.
+    steps the inner optimizer and, every ``sync_every`` steps, runs the outer sync. A sync
+    where any rank's pseudo-gradient is non-finite is skipped on every rank
+    (``last_step.skipped``): the outer state is unchanged, the parameters go back to
+    ``theta_synced``, and non-finite entries of the inner optimizer's state restart at zero.
     """
 
     _name = "local SGD"
@@ -128,9 +131,10 @@ class LocalSGD(torch.optim.Optimizer):
         """Check the subclass's hyperparameters (raise ValueError/TypeError)."""
         raise NotImplementedError
 
-    def _outer_sync(self) -> tuple[bool, int]:
+    def _outer_sync(self) -> tuple[bool, int, bool]:
         """Combine the pseudo-gradients in ``self._delta`` and update ``self.synced``.
-        Returns (dense, entries synchronized) for ``last_step``."""
+        Returns (dense, entries synchronized, skipped) for ``last_step``: a sync with a
+        non-finite pseudo-gradient on any rank is skipped on every rank, state unchanged."""
         raise NotImplementedError
 
     def _outer_state(self) -> dict[str, torch.Tensor]:
@@ -174,19 +178,29 @@ class LocalSGD(torch.optim.Optimizer):
         set_step = getattr(self.comm, "set_step", None)
         if set_step is not None:
             set_step(self._step)
-        dense, entries, sent = False, 0, {}
+        dense, entries, sent, skipped = False, 0, {}, False
         if self._step % self.sync_every == 0:
             before = {k: int(v["bytes"]) for k, v in self.comm.stats.items()}
             with torch.no_grad(), phase("scape/outer_sync", self.device):
                 self._pseudo_gradient()
-                dense, entries = self._outer_sync()
-                self._write_params()
+                dense, entries, skipped = self._outer_sync()
+                self._write_params()  # a skipped sync: every rank back at theta_synced
+                if skipped:
+                    self._clear_nonfinite_inner_state()
             self.sync_count += 1
             sent = {k: int(v["bytes"]) - before.get(k, 0) for k, v in self.comm.stats.items()
                     if int(v["bytes"]) - before.get(k, 0)}
-        self.last_step = StepInfo(step=self._step, dense=dense, skipped=False, grad_norm=None,
-                                  bytes=sent, mask_size=entries)
+        self.last_step = StepInfo(step=self._step, dense=dense, skipped=skipped,
+                                  grad_norm=None, bytes=sent, mask_size=entries)
         return loss
+
+    def _clear_nonfinite_inner_state(self) -> None:
+        """After a skipped sync: non-finite entries of the inner optimizer's state (a NaN
+        gradient reaches AdamW's moments) restart from zero; the others are kept."""
+        for st in self.inner.state.values():
+            for v in st.values():
+                if isinstance(v, torch.Tensor) and v.is_floating_point():
+                    v.masked_fill_(~torch.isfinite(v), 0.0)
 
     # ------------------------------------------------------------------- flat buffers
     def _pseudo_gradient(self) -> None:
@@ -297,12 +311,17 @@ class DiLoCo(LocalSGD):
             raise ValueError("Nesterov momentum requires outer_momentum > 0; got "
                              "outer_momentum=0 with nesterov=True (pass nesterov=False)")
 
-    def _outer_sync(self) -> tuple[bool, int]:
+    def _outer_sync(self) -> tuple[bool, int, bool]:
+        """One sync. A non-finite pseudo-gradient on any rank makes the all-gathered mean
+        non-finite on every rank alike: the sync is skipped there, momentum and
+        ``theta_synced`` unchanged (no extra byte)."""
         mean = self._delta
         shard = torch.empty(self.n_pad // self.comm.world_size, dtype=torch.float32,
                             device=self.device)
         self.comm.reduce_scatter(shard, mean, op="avg").wait()
         self.comm.all_gather(mean, shard).wait()
+        if not bool(torch.isfinite(mean).all()):
+            return True, self.numel, True
         mu = self.outer_momentum
         if mu > 0:
             self.momentum.mul_(mu).add_(mean)
@@ -310,7 +329,7 @@ class DiLoCo(LocalSGD):
         else:
             update = mean
         self.synced.sub_(update, alpha=self.outer_lr)
-        return True, self.numel
+        return True, self.numel, False
 
     def _outer_state(self) -> dict[str, torch.Tensor]:
         return {"momentum": self.momentum}

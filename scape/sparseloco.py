@@ -175,24 +175,37 @@ class SparseLoCo(LocalSGD):
             values = unpack_values(record[4 * nb + 2 * n:], scales, k, bits, n)
         return idx.view(nb, k), values
 
-    def _outer_sync(self) -> tuple[bool, int]:
-        a, work, B, W = self.error_feedback, self._delta, self.block_size, self.comm.world_size
-        a.mul_(self.ef_decay).add_(work)
-        idx = blockwise_topk(a, self.k, B)
-        values = gather(a, idx, B)
+    def _outer_sync(self) -> tuple[bool, int, bool]:
+        """One sync. A non-finite pseudo-gradient on any rank skips it on every rank, at no
+        extra byte: that rank sends a record whose values decode to NaN, every rank finds a
+        non-finite entry in the same decoded sum, and ``theta_synced`` and ``a`` stay as they
+        were (``a``'s update is made on a copy and kept only for a sync that applies)."""
+        work, B, W = self._delta, self.block_size, self.comm.world_size
         record = torch.empty(self.record_bytes, dtype=torch.uint8, device=self.device)
-        sent = self._encode(values, idx, record)
-        scatter_(a, idx, B, values - sent)  # the quantization error stays in a
-        self.last_sync = {"idx": idx, "sent": sent}
+        a = self.error_feedback.mul(self.ef_decay).add_(work)
+        idx = torch.arange(self.k, dtype=torch.int16, device=self.device).repeat(
+            self.n_blocks, 1)
+        if bool(torch.isfinite(work).all()):
+            idx = blockwise_topk(a, self.k, B)
+            values = gather(a, idx, B)
+            sent = self._encode(values, idx, record)
+            scatter_(a, idx, B, values - sent)  # the quantization error stays in a
+        else:  # poison this rank's record: every rank skips this sync
+            values = torch.full((idx.numel(),), float("nan"), device=self.device)
+            sent = self._encode(values, idx, record)
         everyone = torch.empty(W * record.numel(), dtype=torch.uint8, device=self.device)
         self.comm.all_gather(everyone, record).wait()
         total = work.zero_()
         for r in range(W):  # the same order on every rank: bitwise-identical sums
             idx_r, values_r = self._decode(everyone[r * record.numel():(r + 1) * record.numel()])
             scatter_(total, idx_r, B, gather(total, idx_r, B).add_(values_r))
+        if not bool(torch.isfinite(total).all()):
+            return self.k == B, W * idx.numel(), True
+        self.error_feedback.copy_(a)
+        self.last_sync = {"idx": idx, "sent": sent}
         total.div_(W)
         self.synced.sub_(total, alpha=self.outer_lr)
-        return self.k == B, W * idx.numel()
+        return self.k == B, W * idx.numel(), False
 
     def _outer_state(self) -> dict[str, torch.Tensor]:
         return {"error_feedback": self.error_feedback}
