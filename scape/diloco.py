@@ -43,6 +43,7 @@ from scape.comm import Communicator, as_communicator
 from scape.optim_hooks import load_state_dict_hooks, refuse_copy, state_dict_hooks
 from scape.profiling import phase
 from scape.step_info import StepInfo
+from scape.wrappers import check_not_wrapped
 
 FORMAT = "scape.local_sgd/1"
 
@@ -173,6 +174,9 @@ class LocalSGD(torch.optim.Optimizer):
 
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         """One inner step; every ``sync_every``-th step also runs the outer sync."""
+        if self._step == 0 and not getattr(self, "_wrap_checked", False):
+            check_not_wrapped(self.params, self._name)  # DDP would sync every step
+            self._wrap_checked = True
         loss = self.inner.step(closure) if closure is not None else self.inner.step()
         self._step += 1
         set_step = getattr(self.comm, "set_step", None)

@@ -31,6 +31,7 @@ from scape.optim_hooks import refuse_copy
 from scape.param_state import param_state
 from scape.profiling import phase
 from scape.step_info import StepInfo
+from scape.wrappers import check_not_wrapped
 
 _GRAD_COMM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -102,6 +103,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 self.buckets.append(Bucket(ps, gi, world, rank, align))  # type: ignore[arg-type]
         self.shards = [self._init_shard(b) for b in self.buckets]
         self._owned = {id(p) for b in self.buckets for p in b.params}
+        self._wrap_checked = False
         self.state = param_state(self.buckets, self.shards, self._state_tensors)
         """Per-parameter views of what this rank holds (:mod:`scape.param_state`)."""
         self._step = 0
@@ -298,6 +300,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self.finish_param_sync()
+        if not self._wrap_checked:  # once: a DDP wrap would reduce the gradients again
+            check_not_wrapped([p for b in self.buckets for p in b.params], self._name)
+            self._wrap_checked = True
         self._step += 1
         set_step = getattr(self.comm, "set_step", None)
         if set_step is not None:
