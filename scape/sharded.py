@@ -205,21 +205,23 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
         Without it, ``step()`` waits before returning. With it, the all-gather overlaps
         with whatever runs between ``step()`` and the next forward (data loading, logging).
-        ``model.load_state_dict`` waits for it first too; for another in-place write of the
-        parameters between ``step()`` and the next forward, call :meth:`finish_param_sync`
-        before writing. Returns a handle whose ``remove()`` removes both hooks.
+        ``model.state_dict()`` and ``model.load_state_dict`` wait for it first too; for
+        another read or in-place write of the parameters between ``step()`` and the next
+        forward, call :meth:`finish_param_sync` first. Returns a handle whose ``remove()``
+        removes the hooks.
         """
         self._attached = True
 
         def pre_hook(module: torch.nn.Module, args: Any) -> None:
             self.finish_param_sync()
 
-        def load_pre_hook(module: torch.nn.Module, *args: Any) -> None:
-            self.finish_param_sync()  # a dense all-gather in flight must not land after it
+        def sync_first(module: torch.nn.Module, *args: Any) -> None:
+            self.finish_param_sync()  # the model holds the last step's parameters first
 
-        load = model.register_load_state_dict_pre_hook(load_pre_hook)
         forward = model.register_forward_pre_hook(pre_hook)
-        return _Handles(forward, load)
+        save = model.register_state_dict_pre_hook(sync_first)
+        load = model.register_load_state_dict_pre_hook(sync_first)
+        return _Handles(forward, save, load)
 
     def finish_param_sync(self) -> None:
         """Wait for in-flight parameter all-gathers and write them into the model; then adopt

@@ -97,3 +97,21 @@ def test_model_moved_to_another_dtype_raises_with_the_fix():
         p.grad = torch.ones_like(p)
     with pytest.raises(ValueError, match="before building the optimizer"):
         opt.step()
+
+
+def test_attached_model_state_dict_is_current():
+    """With ``attach``, ``model.state_dict()`` right after ``step()`` (before any forward)
+    holds the parameters of that step, not the ones before it."""
+    model = _model()
+    opt = scape.SCAPE(model.parameters(), lr=1e-2, sparsity=0.9, block_size=256,
+                      warmup_steps=2)
+    opt.attach(model)
+    for t in range(1, 5):
+        g = torch.Generator().manual_seed(t)
+        model(torch.randn(8, 24, generator=g)).square().mean().backward()
+        opt.step()
+        saved = {k: v.clone() for k, v in model.state_dict().items()}
+        s = opt.shards[0]
+        flat = torch.cat([saved[k].reshape(-1) for k in ("0.weight", "0.bias", "2.weight",
+                                                          "2.bias")])
+        assert torch.equal(flat, s.master[:flat.numel()]), t  # one rank owns everything
