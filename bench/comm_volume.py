@@ -15,7 +15,7 @@ numbers come from the library in two pieces, neither of which re-types the byte 
 2. **Sizes of the real models, from the library's layout code.** ``scape.buffers.Bucket``
    builds the flat buffers of a parameter of the model's size on the ``meta`` device (no
    memory), which gives ``N_pad`` (padding to a multiple of W*B); ``K = N_pad / B * k_b``
-   with ``k_b`` from ``scape.optimizer.block_budget``.
+   with ``k_b`` from ``scape.rules.block_budget`` at the default rule's ``explore``.
 
 Printed beside: the DESIGN formula (``bench.projection.bytes_per_step``: dense
 ``N*(b_g+b_p)``, SCAPE ``K*(b_g+b_p+2)``), which leaves out the dense padding and the scalar
@@ -39,13 +39,16 @@ import scape
 from bench.nullcomm import NullCommunicator
 from bench.projection import MODELS, bytes_per_step
 from scape.buffers import Bucket
-from scape.optimizer import block_budget
+from scape.rules import RULES, block_budget
 
 SCHEMA = "scape.comm_volume/1"
 WORLDS = (8, 32, 256)
 SPARSITIES = (0.0, 0.9, 0.99)
 BLOCK_SIZE = 4096
-EXPLORE = 0.1
+UPDATE = "auto"
+"""The rule of the measurement (the library's default)."""
+EXPLORE = RULES[UPDATE].explore
+"""Its fraction of each block's budget taken by age (part of the mask, so of ``K``)."""
 WIRE_DTYPE = torch.bfloat16
 """Model and gradient-wire dtype of the measurement (b_g = b_p = 2, as in the paper)."""
 
@@ -64,7 +67,7 @@ def measure_step_bytes(n: int, world: int, sparsity: float, steps: int = 3,
     params = _proxy_params(n, seed)
     comm = NullCommunicator(world, 0)
     opt = scape.SCAPE(params, lr=1e-3, sparsity=sparsity, warmup_steps=1,
-                      block_size=BLOCK_SIZE, explore=EXPLORE, grad_comm_dtype=WIRE_DTYPE,
+                      block_size=BLOCK_SIZE, update=UPDATE, grad_comm_dtype=WIRE_DTYPE,
                       comm=comm)
     gen = torch.Generator().manual_seed(seed + 1)
     for _ in range(steps):

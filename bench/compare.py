@@ -17,11 +17,11 @@ token budget and LR schedule (:mod:`bench.runner`):
 
 A ``scape`` or ``compute_only`` name may end in ``-embed<sparsity>`` (e.g.
 ``scape-0.99-embed0.9``): the embedding matrices, the tied head among them, then form their own
-param group at that sparsity (the quality research's finding; bench/README.md), with the
-optimizer's own split off (``split=None``) and the rule of the research's split rows
-(``catchup_agree_trust2_accum``). Without it a ``scape`` row runs the library's defaults (the
-masks by fresh gain, ``catchup_agree_trust2_gainr``), its two sparse groups (``decay``,
-``no_decay``) each at the row's sparsity.
+param group at that sparsity (the quality research's finding; docs/research.md), with the rule
+of the research's split rows (``catchup_agree_trust2_accum``, registered by
+:mod:`bench.research.rules`). Without it a ``scape`` row runs the library's defaults
+(``update="auto"``: the masks by fresh gain), its two sparse groups (``decay``, ``no_decay``)
+each at the row's sparsity.
 
 Opt-in local-step rows (:mod:`bench.local_sgd_opts`, AdamW inner optimizer at the same lr):
 ``sparseloco-h<H>-d<density>[-b<bits>]`` (``scape.SparseLoCo``, 2-bit values unless ``-b``
@@ -68,6 +68,7 @@ from bench.local_sgd_opts import (
     steady_bytes,
     sync_warning,
 )
+from bench.optimizers import OPTIMIZERS
 from bench.report import fmt, markdown_table, plot_bytes, plot_loss
 from bench.runner import RunConfig
 
@@ -96,7 +97,7 @@ TARGETS = (
     ("scape-0.99 val loss / adams val loss", "<=", 1.03),
     ("scape-0.99 val loss / topk-0.99 val loss", "<", 1.0),
 )
-"""The issue's targets, evaluated on the measured results (reported, never tuned for)."""
+"""The project's targets, evaluated on the measured results (reported, never tuned for)."""
 
 
 def parse_name(name: str) -> tuple[str, float]:
@@ -109,12 +110,13 @@ def parse_name(name: str) -> tuple[str, float]:
         except ValueError as e:
             raise ValueError(f"--optimizers: {e}") from None
     opt, _, sp = name.partition("-")
-    if opt in ("scape", "compute_only") and embed_sparsity(name) is not None:
-        sp = sp.partition("embed")[0].rstrip("-")
-    if opt not in ("adamw_ddp", "dist_adamw", "adams", "scape", "topk", "compute_only"):
+    entry = OPTIMIZERS.get(opt)
+    if entry is None or entry.local_steps:
         raise ValueError(f"--optimizers: unknown optimizer {name!r} (expected one of "
                          f"{DEFAULT_OPTIMIZERS}, sparsity after '-', or {NAME_FORMS})")
-    if opt in ("scape", "topk") and not sp:
+    if entry.group_sparsity and embed_sparsity(name) is not None:
+        sp = sp.partition("embed")[0].rstrip("-")
+    if entry.needs_sparsity and not sp:
         raise ValueError(f"--optimizers: {name!r} needs a sparsity, e.g. {opt}-0.99")
     if opt == "compute_only":
         return opt, float(sp) if sp else COMPUTE_ONLY_SPARSITY
@@ -130,9 +132,10 @@ def embed_sparsity(name: str) -> float | None:
     head, sep, tail = name.partition("-embed")
     if not sep:
         return None
-    if not head.startswith(("scape-", "compute_only")):
-        raise ValueError(f"--optimizers: {name!r}: -embed<sparsity> applies to scape and "
-                         "compute_only rows")
+    takes = [n for n, e in OPTIMIZERS.items() if e.group_sparsity]
+    if head.partition("-")[0] not in takes:
+        raise ValueError(f"--optimizers: {name!r}: -embed<sparsity> applies to "
+                         f"{' and '.join(takes)} rows")
     try:
         value = float(tail)
         check_group_sparsity({"embed": value})
@@ -148,13 +151,12 @@ def make_configs(names: list[str], w: dict[str, Any], data: str | None, profile_
     cfgs = []
     for name in names:
         opt, sp = parse_name(name)
-        kwargs = {"warmup_steps": w["warmup_steps"]} if opt in ("scape", "topk",
-                                                                "compute_only") else {}
+        kwargs = {"warmup_steps": w["warmup_steps"]} if OPTIMIZERS[opt].sparse else {}
         if is_local_name(name):
             kwargs = parse_local_name(name)[1]
         emb = embed_sparsity(name)
-        if emb is not None:  # the split set by hand, as named: the optimizer's split off
-            kwargs.update(split=None, update="catchup_agree_trust2_accum")
+        if emb is not None:  # the split set by hand, as named, with the research's rule
+            kwargs["update"] = "catchup_agree_trust2_accum"
         cfgs.append(RunConfig(
             optimizer=opt, sparsity=sp if opt != "adams" else 0.0, optimizer_kwargs=kwargs,
             group_sparsity=None if emb is None else {"embed": emb},
@@ -235,7 +237,7 @@ def sync_warnings(cfgs: list[RunConfig]) -> list[str]:
     """A warning per local-step row whose ``steps`` is not a multiple of its ``H``."""
     out = []
     for c in cfgs:
-        if c.optimizer in ("sparseloco", "diloco"):
+        if OPTIMIZERS[c.optimizer].local_steps:
             text = sync_warning(c.label, c.optimizer_kwargs["sync_every"], c.steps)
             if text:
                 out.append(text)

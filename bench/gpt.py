@@ -230,7 +230,7 @@ def param_groups(model: nn.Module, weight_decay: float,
     ``embed`` into a group ``pos``. Naming ``"head"`` takes an untied output head (a model with
     a ``head`` ``nn.Linear`` whose weight is not an embedding's) out of ``decay`` into a group
     ``head``, still decayed. The quality research found the 99%-sparsity gap of this
-    workload concentrated in the embedding matrices (bench/README.md, "Where the gap lives").
+    workload concentrated in the embedding matrices (docs/research.md, "Where the gap lives").
     """
     if not isinstance(weight_decay, (int, float)) or weight_decay < 0:
         raise ValueError(f"weight_decay must be a float >= 0, got {weight_decay!r}")

@@ -1,10 +1,10 @@
 """Local-step optimizers in the benchmarks: ``scape.SparseLoCo`` and ``scape.DiLoCo``.
 
-:func:`build_local_sgd` is what :mod:`bench.runner` calls for ``RunConfig.optimizer`` in
-``("sparseloco", "diloco")``. The inner optimizer is ``torch.optim.AdamW`` over the runner's
-param groups (the same lr, betas and per-group weight decay as the ``adamw_ddp`` row); the
-runner's LR schedule edits ``opt.param_groups``, which are the inner optimizer's. The outer
-hyperparameters come from ``RunConfig.optimizer_kwargs`` (``sync_every``, ``density``,
+:mod:`bench.optimizers` builds them for ``RunConfig.optimizer`` in ``("sparseloco",
+"diloco")``. The inner optimizer is ``torch.optim.AdamW`` over the runner's param groups (the
+same lr, betas and per-group weight decay as the ``adamw_ddp`` row); the runner's LR schedule
+edits ``opt.param_groups``, which are the inner optimizer's. The outer hyperparameters come
+from ``RunConfig.optimizer_kwargs`` (``sync_every``, ``density``,
 ``value_bits``, ``ef_decay``, ``outer_lr``, ``block_size`` for SparseLoCo; ``sync_every``,
 ``outer_lr``, ``outer_momentum``, ``nesterov`` for DiLoCo).
 
@@ -20,7 +20,7 @@ default) and ``diloco-h<H>``; the other outer hyperparameters are the library's 
 
 Running this module compares them with dense sharded AdamS and SCAPE on one workload and
 token budget (:data:`WORKLOAD`: ``bench.compare``'s workload as it was measured for the
-README, with ``steps`` a multiple of 32):
+README, with ``steps`` a multiple of 32; ``--smoke``: :data:`SMOKE`):
 
     python -m bench.local_sgd_opts --out out/local_sgd         # 249 s measured on 2 cores
     python -m bench.local_sgd_opts --smoke --out /tmp/ls        # seconds
@@ -36,14 +36,24 @@ import re
 import time
 from typing import Any
 
-import torch
+from bench.optimizers import LOCAL_STEPS
+from bench.report import fmt, markdown_table
+from bench.runner import RunConfig, run
 
-LOCAL_SGD = ("sparseloco", "diloco")
-"""Values of ``RunConfig.optimizer`` built here."""
+LOCAL_SGD = LOCAL_STEPS
+"""Values of ``RunConfig.optimizer`` that take local steps (:mod:`bench.optimizers`)."""
+
+VALUE_BITS = (2, 4, 8, 16, 32)
+"""The ``value_bits`` ``scape.SparseLoCo`` accepts (its docstring), checked here so that a bad
+row name fails before any run starts."""
 
 WORKLOAD = dict(model="small", world=4, steps=64, batch=4, seq=128, lr=3e-3, warmup_steps=20,
                 eval_every=64, eval_seqs=64)
 """The workload of the README's table (SCAPE's dense warm-up: ``warmup_steps``)."""
+
+SMOKE = dict(model="tiny", world=2, steps=8, batch=2, seq=64, lr=3e-3, warmup_steps=2,
+             eval_every=8, eval_seqs=4)
+"""``--smoke``: ``bench.compare``'s smoke workload over 8 steps (one sync of H = 8)."""
 
 
 NAME_FORMS = ("sparseloco-h<H>-d<density>[-b<bits>] (e.g. sparseloco-h8-d0.01, "
@@ -69,8 +79,6 @@ def parse_local_name(name: str) -> tuple[str, dict[str, Any]]:
     ``"diloco-h32"`` -> ``("diloco", {"sync_every": 32})``. The other outer hyperparameters
     are the library's defaults. Raises ``ValueError`` naming the expected forms.
     """
-    from scape.sparseloco import VALUE_BITS
-
     def bad(why: str) -> ValueError:
         return ValueError(f"bad local-step row name {name!r}: {why}; expected {NAME_FORMS}")
 
@@ -117,20 +125,6 @@ def steady_bytes(run: dict[str, Any]) -> tuple[float, str]:
     return float(run["bytes_per_step_total"]), "median"
 
 
-def build_local_sgd(name: str, groups: list[dict[str, Any]], cfg: Any, comm: Any) -> Any:
-    """``scape.SparseLoCo`` or ``scape.DiLoCo`` with an AdamW inner optimizer on ``groups``."""
-    import scape
-
-    if name not in LOCAL_SGD:
-        raise ValueError(f"build_local_sgd: name must be one of {LOCAL_SGD}, got {name!r}")
-    kw = dict(cfg.optimizer_kwargs)
-    inner = torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=1e-8)
-    params = [p for g in groups for p in g["params"]]
-    if name == "sparseloco":
-        return scape.SparseLoCo(params, inner, comm=comm, **kw)
-    return scape.DiLoCo(params, inner, comm=comm, **kw)
-
-
 # --------------------------------------------------------------------------- the comparison
 ROWS: tuple[tuple[str, str, dict[str, Any]], ...] = (
     ("adams", "adams", {}),
@@ -149,9 +143,8 @@ ROWS: tuple[tuple[str, str, dict[str, Any]], ...] = (
 """(label, RunConfig.optimizer, optimizer_kwargs) of every row."""
 
 
-def configs(workload: dict[str, Any], rows: tuple = ROWS, timeout_s: float = 1800.0) -> list:
-    from bench.runner import RunConfig
-
+def configs(workload: dict[str, Any], rows: tuple = ROWS,
+            timeout_s: float = 1800.0) -> list[RunConfig]:
     w = workload
     skip = min(w["steps"] - 1, w["warmup_steps"] + 2)
     out = []
@@ -175,8 +168,6 @@ def table(runs: list[dict[str, Any]]) -> str:
     step (SCAPE past its dense warm-up), the mean over the run (= over whole sync periods) for
     the local-step ones. The mean over all steps, warm-up included, is the last column.
     """
-    from bench.report import fmt, markdown_table
-
     def steady(r: dict[str, Any]) -> float:
         return steady_bytes(r)[0]
 
@@ -195,9 +186,6 @@ def table(runs: list[dict[str, Any]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from bench.compare import SMOKE
-    from bench.runner import run
-
     ap = argparse.ArgumentParser(description="SparseLoCo and DiLoCo beside AdamS and SCAPE")
     ap.add_argument("--out", default="out/local_sgd")
     ap.add_argument("--steps", type=int, default=None, help="default: WORKLOAD's (64)")
@@ -206,7 +194,6 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     w = dict(SMOKE if args.smoke else WORKLOAD)
     if args.smoke:
-        w["steps"] = 8
         rows = ROWS[:3] + ROWS[4:5]  # one sync of H = 8 in the 8 steps
     else:
         w["steps"] = args.steps or w["steps"]

@@ -14,15 +14,18 @@ import argparse
 
 import torch
 
-import scape
+from bench.optimizers import Spec, build
 
 
 def run(sparsity: float, lr: float, update: str, steps: int = 120) -> tuple[float, float]:
+    """Mean training loss of the first and the last 10 steps with rule ``update`` (any name of
+    :mod:`bench.research.rules` too) at ``sparsity`` (0: dense AdamS)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(),
                                 torch.nn.Linear(64, 8))
-    opt = scape.SCAPE(model.parameters(), lr=lr, sparsity=sparsity, block_size=256,
-                      warmup_steps=3, update=update)
+    spec = Spec(lr=lr, sparsity=sparsity,
+                kwargs=dict(block_size=256, warmup_steps=3, update=update))
+    opt = build("scape" if sparsity > 0 else "adams", list(model.parameters()), spec)
     w_true = torch.randn(32, 8, generator=torch.Generator().manual_seed(123))
     losses = []
     for t in range(steps):

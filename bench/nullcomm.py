@@ -15,7 +15,12 @@ from __future__ import annotations
 import torch
 
 from scape.comm.base import Communicator, CompletedWork, Work
-from scape.comm.torch_backend import REDUCIBLE_DTYPES
+
+REDUCIBLE_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16,
+                    torch.int8, torch.uint8, torch.int32, torch.int64)
+"""The dtypes gloo and nccl both reduce, as ``scape.comm.TorchCommunicator`` lists them (a
+copy: the list is not part of ``scape.comm``'s public surface), so this communicator refuses
+what the real backends refuse."""
 
 
 class NullCommunicator(Communicator):

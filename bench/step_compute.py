@@ -5,8 +5,7 @@ through :class:`bench.nullcomm.NullCommunicator`, which completes at once but to
 buffers, so the timing holds every kernel, copy and Python line of the step for rank 0 of W.
 Gradients are refilled (untimed) before each step with the same random values.
 
-Target (issue: the optimizer): SCAPE-0.99's local compute <= 1.5x dense sharded AdamS's on the
-same model and W.
+Target: SCAPE-0.99's local compute <= 1.5x dense sharded AdamS's on the same model and W.
 
     python -m bench.step_compute                      # model "base", W=4, 30 timed steps
     python -m bench.step_compute --smoke
@@ -32,32 +31,35 @@ from typing import Any
 import torch
 
 import scape
+from bench import optimizers
 from bench.gpt import GPT, get_config, num_params, param_groups
 from bench.nullcomm import NullCommunicator
 
 SCHEMA = "scape.step_compute/1"
 OPTIMIZERS = {
-    "dense_adams": dict(sparsity=0.0),
-    "scape_0.9": dict(sparsity=0.9, warmup_steps=1),
-    "scape_0.99": dict(sparsity=0.99, warmup_steps=1),
+    "dense_adams": ("adams", 0.0, {}),
+    "scape_0.9": ("scape", 0.9, {"warmup_steps": 1}),
+    "scape_0.99": ("scape", 0.99, {"warmup_steps": 1}),
+    "dist_adamw": ("dist_adamw", 0.0, {}),
 }
+"""Row name -> (:mod:`bench.optimizers` entry, sparsity, keyword arguments)."""
 
 
 def build(model_name: str, world: int, kind: str, update: str | None = None,
           device: str = "cpu", groups: bool = False) -> tuple[torch.optim.Optimizer, int]:
-    """One optimizer on a fresh model on ``device``; ``update`` picks the sparse rule
-    (default: the library's). ``groups``: the model's ``decay`` and ``no_decay`` param groups
-    (:func:`bench.gpt.param_groups`) instead of one group (with ``split="gain"`` and a rule
-    that takes its masks by accumulated mass, the budget is split by gain)."""
+    """One optimizer of :data:`OPTIMIZERS` on a fresh model on ``device``; ``update`` picks
+    the rule of the SCAPE rows (default: the library's). ``groups``: the model's ``decay`` and
+    ``no_decay`` param groups (:func:`bench.gpt.param_groups`) instead of one group."""
     model = GPT(get_config(model_name), seed=0).to(device)
     comm = NullCommunicator(world, 0, device)
-    params: Any = model.parameters()
+    params: Any = list(model.parameters())
     if groups:
         params = [{k: v for k, v in g.items() if k != "name"} for g in param_groups(model, 0.1)]
-    if kind == "dist_adamw":
-        return scape.DistributedAdamW(params, lr=1e-3, comm=comm), num_params(model)
-    kw = dict(OPTIMIZERS[kind], **({"update": update} if update else {}))
-    return scape.SCAPE(params, lr=1e-3, comm=comm, **kw), num_params(model)
+    name, sparsity, kw = OPTIMIZERS[kind]
+    if update and name in ("adams", "scape"):
+        kw = dict(kw, update=update)
+    spec = optimizers.Spec(lr=1e-3, sparsity=sparsity, kwargs=kw)
+    return optimizers.build(name, params, spec, comm), num_params(model)
 
 
 def time_steps(model_name: str, world: int, kinds: list[str], steps: int,
@@ -95,7 +97,7 @@ def time_steps(model_name: str, world: int, kinds: list[str], steps: int,
         rows.append({"optimizer": k, "median_s": statistics.median(times[k]),
                      "min_s": min(times[k]), "dense_step": info.dense,
                      "bytes": sum(info.bytes.values()), "params": n,
-                     "update": getattr(opt, "update", None), "split": getattr(opt, "split", None)})
+                     "update": getattr(opt, "update", None)})
     return rows
 
 
@@ -133,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--update", default=None, help="sparse rule of the SCAPE rows "
                     "(default: the library's default)")
     ap.add_argument("--groups", action="store_true", help="decay and no_decay param groups "
-                    "instead of one group (a split in force then has groups to split)")
+                    "instead of one group")
     args = ap.parse_args(argv)
     if args.smoke:
         args.model, args.world, args.steps = "tiny", 2, 3
@@ -141,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     update = args.update or inspect.signature(scape.SCAPE).parameters["update"].default
     if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: torch.cuda.is_available() is False")
-    rows = time_steps(args.model, args.world, [*OPTIMIZERS, "dist_adamw"], args.steps, warm=3,
+    rows = time_steps(args.model, args.world, list(OPTIMIZERS), args.steps, warm=3,
                       update=update, device=args.device, profile=args.profile,
                       groups=args.groups)
     for r in rows:
@@ -155,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"SCAPE-0.99 / dense sharded AdamS local compute: {ratio:.2f}x (target <= 1.5x)")
     report = {"schema": SCHEMA, "model": args.model, "world": args.world, "device": args.device,
               "threads": args.threads, "steps": args.steps, "groups": args.groups,
-              "update": rows[2]["update"], "split": rows[2]["split"], "rows": rows}
+              "update": rows[2]["update"], "rows": rows}
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1)

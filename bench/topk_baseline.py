@@ -33,11 +33,11 @@ from typing import Any
 
 import torch
 
+from scape import StepInfo
 from scape.buffers import Bucket
 from scape.comm import Communicator, TorchCommunicator
 from scape.kernels import adams_dense_, blockwise_topk, gather, scatter_, take_
 from scape.profiling import phase
-from scape.step_info import StepInfo
 
 
 class TopKAdamS(torch.optim.Optimizer):

@@ -11,8 +11,10 @@ The row marked ``*`` is what :func:`scape.kernels.topk.topk_config` launches.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
+from collections.abc import Iterator
 
 import torch
 
@@ -20,14 +22,24 @@ from scape.kernels import topk as topk_mod
 from scape.kernels import topk_torch
 
 
+@contextlib.contextmanager
+def launch_settings(chunk: int, warps: int) -> Iterator[None]:
+    """Within the block, :func:`scape.kernels.topk.blockwise_topk_triton` launches with
+    ``CHUNK=chunk`` and ``num_warps=warps`` in place of what
+    :func:`scape.kernels.topk.topk_config` chooses (the launcher reads it at every call)."""
+    chosen = topk_mod.topk_config
+    topk_mod.topk_config = lambda block_size: {"CHUNK": chunk, "num_warps": warps}
+    try:
+        yield
+    finally:
+        topk_mod.topk_config = chosen
+
+
 def run_variant(score: torch.Tensor, age: torch.Tensor, k: int, k_explore: int,
                 block: int, chunk: int, warps: int) -> torch.Tensor:
-    n_blocks = score.numel() // block
-    idx = torch.empty((n_blocks, k), dtype=torch.int16, device=score.device)
-    topk_mod._blockwise_topk_kernel[(n_blocks,)](
-        score, age, idx, k, k_explore, BLOCK_SIZE=block, CHUNK=chunk,
-        HAS_EXPLORE=k_explore > 0, num_warps=warps)
-    return idx
+    """The library's launcher of the selection kernel at one launch setting."""
+    with launch_settings(chunk, warps):
+        return topk_mod.blockwise_topk_triton(score, k, block, age=age, k_explore=k_explore)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,4 +1,5 @@
-"""scape.allot: the automatic per-group split of one sparsity budget (hypothesis 16)."""
+"""bench.research.allot: the automatic per-group split of one sparsity budget, made from
+outside the optimizer (docs/research.md, hypothesis 16)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ import pytest
 import torch
 from dist import run_ranks
 
+import bench.research.rules  # noqa: F401 (registers the research rules named below)
 import scape
-from scape import allot as al
+from bench.research import allot as al
 from scape.comm import TorchCommunicator
 
 

@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from bench.nullcomm import NullCommunicator
-from scape.optimizer import resolve
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -222,24 +221,29 @@ def test_step_compute_smoke(tmp_path):
     assert rows["dense_adams"]["dense_step"] and not rows["scape_0.99"]["dense_step"]
     assert rows["scape_0.99"]["bytes"] < rows["scape_0.9"]["bytes"] < rows["dense_adams"]["bytes"]
     assert all(r["median_s"] > 0 for r in rows.values())
-    # one param group: the defaults resolve to the unsplit rule
-    assert (rep["update"], rep["split"]) == resolve("auto", "auto", 1)
-    assert rows["scape_0.99"]["update"] == rep["update"] and rows["dense_adams"]["split"] is None
+    # the library's default rule, recorded by every SCAPE row
+    assert rep["update"] == "auto" and rows["scape_0.99"]["update"] == rep["update"]
+    assert rows["dist_adamw"]["update"] is None
 
 
 def test_step_compute_groups(tmp_path):
-    """``--groups``: decay and no_decay groups (the defaults: the gain masks, no split)."""
+    """``--groups``: decay and no_decay groups, each at the row's sparsity."""
     rep = _run("bench.step_compute", str(tmp_path / "s.json"), "--groups")
-    assert rep["groups"] is True
-    assert (rep["update"], rep["split"]) == resolve("auto", "auto", 2) == (
-        "catchup_agree_trust2_gainr", None)
+    assert rep["groups"] is True and rep["update"] == "auto"
     rows = {r["optimizer"]: r for r in rep["rows"]}
     assert rows["scape_0.99"]["bytes"] < rows["scape_0.9"]["bytes"] < rows["dense_adams"]["bytes"]
 
 
 def test_step_compute_update_option(tmp_path):
+    """``--update`` takes a built-in rule or a research rule by name (the registry registers
+    them in the benchmark's process)."""
     rep = _run("bench.step_compute", str(tmp_path / "s.json"), "--update", "lazy")
     assert rep["update"] == "lazy" and not rep["rows"][2]["dense_step"]
+    research = _run("bench.step_compute", str(tmp_path / "r.json"), "--update",
+                    "catchup_agree_accum")
+    assert research["update"] == "catchup_agree_accum"
+    # the rule changes the owner's update, not what is sent
+    assert research["rows"][2]["bytes"] == rep["rows"][2]["bytes"]
 
 
 def test_step_compute_profile_and_device(tmp_path):
@@ -296,15 +300,14 @@ def test_convergence_ramp_rows():
     sparse step than the same row without it, the same once the ramp is over, and refuses
     the multi-rank runner (which has no schedule)."""
     from bench.convergence import Workload, run_config, train
-    from bench.convergence_rows import variants
     from bench.data import load_corpus
+    from bench.research.rows import variants
 
     names = [v["name"] for v in variants([0.99], ["catchup_agree_trust2_accum-ramp0.9x0.2"])]
     assert names == ["catchup_agree_trust2_accum-ramp0.9x0.2@0.99"]
     w = Workload(model="tiny", steps=12, batch=4, seq=64, eval_every=12, eval_seqs=4, threads=1)
     corpus = load_corpus()
-    base = dict(name="r", sparsity=0.99, warmup_steps=2, explore=0.1, lr=3e-3,
-                update="catchup_sqrt_accum")
+    base = dict(name="r", sparsity=0.99, warmup_steps=2, lr=3e-3, update="catchup_sqrt_accum")
     plain = train(base, w, corpus, log=False)
     ramp = train(dict(base, ramp=(0.5, 0.5)), w, corpus, log=False)
     assert ramp["bytes_per_sparse_step"] > 2 * plain["bytes_per_sparse_step"]
@@ -333,8 +336,8 @@ def test_convergence_auto_rows():
     groups that read higher denser, the coordinates per step those of every group at the row's
     sparsity, a floor kept where set; the runner refuses it."""
     from bench.convergence import Workload, run_config, train
-    from bench.convergence_rows import variants
     from bench.data import load_corpus
+    from bench.research.rows import variants
 
     (row,) = variants([0.99], ["catchup_agree_trust2_accum-auto2"])
     assert row["allot"] == (2.0, 100, "m") and row["group_sparsity"] == {"embed": 0.99, "pos": 0.99}
@@ -349,7 +352,7 @@ def test_convergence_auto_rows():
     assert floored["ramp"] == (0.5, 0.02)
     w = Workload(model="tiny", steps=14, batch=4, seq=64, eval_every=14, eval_seqs=4, threads=1)
     corpus = load_corpus()
-    base = dict(name="a", sparsity=0.9, warmup_steps=2, explore=0.1, lr=3e-3,
+    base = dict(name="a", sparsity=0.9, warmup_steps=2, lr=3e-3,
                 update="catchup_agree_trust2_accum",
                 group_sparsity={"embed": 0.9, "pos": 0.9})
     auto = train(dict(base, allot=(2.0, 5, "m")), w, corpus, log=False)
@@ -374,42 +377,49 @@ def test_convergence_auto_rows():
         run_config(dict(base, allot=(2.0, 5, "m")), w, 2)
 
 
-def test_convergence_split_row():
-    """A ``-split`` row leaves the split to the optimizer (``SCAPE(split="gain")``): its
-    readings are recorded at the first sparse mask and every ``split_every`` after, the groups
-    that read higher are denser, and the bytes per sparse step are those of every group at the
-    row's sparsity (up to each block's rounding); the runner takes it on 2 processes."""
+def test_convergence_rows_use_the_lean_optimizer():
+    """No row passes a keyword the optimizer does not take: an ``explore`` or error-feedback
+    change names a rule made by ``with_options``, and the optimizer's own split rows became
+    ``-autog1`` rows, split from outside (gain, power 1, every 100 sparse steps)."""
+    from bench.research.rows import variants
+    from scape import rules
+
+    rows = variants([0.99], None)
+    assert rows and not any({"explore", "error_feedback", "split", "split_every"} & set(r)
+                            for r in rows)
+    assert not any("-split" in r["name"] for r in rows)
+    names = {r["name"].split("@")[0]: r for r in rows}
+    assert names["lazy-explore0.2"]["update"] == "lazy-explore0.2"
+    assert rules.RULES["lazy-explore0.2"].explore == 0.2
+    assert rules.RULES[names["catchup_accum-no_ef"]["update"]].error_feedback is False
+    assert rules.RULES[names["catchup_agree_trust2_gain-explore1"]["update"]].explore == 1.0
+    for name in ("catchup_agree_trust2_gain-autog1", "catchup_agree_trustlr_accum-autog1",
+                 "catchup_agree_trust2_accum-autog1"):
+        assert names[name]["allot"] == (1.0, 100, "gain")
+        assert names[name]["group_sparsity"] == {"embed": 0.99, "pos": 0.99}
+    assert names["catchup_agree_trust2_accum-autog1-trustlr"]["trust_lr"] == (0.5, 0.25)
+    # every rule has a plain row; the research names of the built-ins only when asked for
+    assert {"auto", "robust", "sqrt", "lazy", "catchup_agree_trust2_accum"} <= set(names)
+    assert "catchup_agree_trust2_gainr" not in names
+    (alias,) = variants([0.99], ["catchup_agree_trust2_gainr"])
+    assert alias["update"] == "catchup_agree_trust2_gainr"
+
+
+def test_convergence_trust_lr_row_with_the_gain_split():
+    """``-autog1-trustlr``: the bound follows the lr from c = 1/2 at the peak towards 1/4 while
+    the Allotment splits by gain; it moves the run, and the runner refuses it."""
     from bench.convergence import Workload, run_config, train
-    from bench.convergence_rows import variants
     from bench.data import load_corpus
 
-    (row,) = variants([0.99], ["catchup_agree_trust2_accum-split"])
-    assert row["split"] == "gain" and "allot" not in row
-    assert row["group_sparsity"] == {"embed": 0.99, "pos": 0.99}
     w = Workload(model="tiny", steps=14, batch=4, seq=64, eval_every=14, eval_seqs=4, threads=1)
     corpus = load_corpus()
-    base = dict(name="a", sparsity=0.9, warmup_steps=2, explore=0.1, lr=3e-3,
+    base = dict(name="a", sparsity=0.9, warmup_steps=2, lr=3e-3,
                 update="catchup_agree_trust2_accum",
-                group_sparsity={"embed": 0.9, "pos": 0.9})
-    split = train(dict(base, split="gain", split_every=5), w, corpus, log=False)
-    uniform = train(dict(base, split=None), w, corpus, log=False)
-    assert [h[0] for h in split["allot_history"]] == [0, 5, 10]
-    for _, gain, sp in split["allot_history"]:
-        assert set(gain) == set(sp) and len(sp) == 4
-        assert all(v >= 0.0 and math.isfinite(v) for v in gain.values())
-        assert sp[max(gain, key=gain.__getitem__)] < 0.9 < sp[min(gain, key=gain.__getitem__)]
-    assert "allot_history" not in uniform
-    assert math.isfinite(split["final_val_loss"])
-    assert split["bytes_per_sparse_step"] == pytest.approx(uniform["bytes_per_sparse_step"],
-                                                           rel=0.05)
-    assert split["bytes_per_sparse_step"] != uniform["bytes_per_sparse_step"]  # another split
-    assert run_config(dict(base, split="gain"), w, 2).optimizer_kwargs["split"] == "gain"
-    # -trustlr: the bound follows the lr from c = 1/2 at the peak towards 1/4
-    (sched,) = variants([0.99], ["catchup_agree_trust2_accum-split-trustlr"])
-    assert sched["trust_lr"] == (0.5, 0.25) and sched["split"] == "gain"
-    scheduled = train(dict(base, split="gain", split_every=5, trust_lr=(0.5, 0.25)), w, corpus,
-                      log=False)
+                group_sparsity={"embed": 0.9, "pos": 0.9}, allot=(1.0, 5, "gain"))
+    split = train(base, w, corpus, log=False)
+    scheduled = train(dict(base, trust_lr=(0.5, 0.25)), w, corpus, log=False)
+    assert [h[0] for h in scheduled["allot_history"]] == [0, 5, 10]
     assert math.isfinite(scheduled["final_val_loss"])
     assert scheduled["final_val_loss"] != split["final_val_loss"]  # the bound moved
     with pytest.raises(ValueError, match="one process"):
-        run_config(dict(base, trust_lr=(0.5, 0.25)), w, 2)
+        run_config(dict(base, allot=None, trust_lr=(0.5, 0.25)), w, 2)

@@ -1,4 +1,4 @@
-"""bench.rotate: the transform-domain reparametrization of the quality research."""
+"""bench.research.rotate: the transform-domain reparametrization of the quality research."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from bench.rotate import TRANSFORMS, Rotated, transform_matrix
+from bench.research.rotate import TRANSFORMS, Rotated, transform_matrix
 
 
 @pytest.mark.parametrize("kind", TRANSFORMS)

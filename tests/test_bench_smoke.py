@@ -12,8 +12,6 @@ import sys
 import pytest
 import torch
 
-from scape.optimizer import resolve
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -26,25 +24,19 @@ def _run(args: list[str], timeout: float) -> str:
 
 
 def _library_bytes(sparsity: float, world: int, group_sparsity: dict[str, float] | None = None,
-                   split: dict[str, float] | None = None,
-                   split_off: bool = False) -> tuple[int, int]:
+                   update: str = "auto") -> tuple[int, int]:
     """(dense step, steady sparse step) bytes of scape.SCAPE on the tiny model's param groups,
-    from ``opt.last_step.bytes`` with a counting communicator playing rank 0 of ``world``;
-    ``split``: each group's sparsity as a run's split left it (param group index as a string),
-    set by hand with the split off."""
+    from ``opt.last_step.bytes`` with a counting communicator playing rank 0 of ``world``."""
     from bench.gpt import GPT, get_config, param_groups
     from bench.nullcomm import NullCommunicator
+    from bench.optimizers import Spec, build
 
     model = GPT(get_config("tiny"), seed=0)
     groups = param_groups(model, 0.1, group_sparsity)
-    for i, g in enumerate(groups):
+    for g in groups:
         g.pop("name")
-        if split is not None:
-            g["sparsity"] = split[str(i)]
-    opt = __import__("scape").SCAPE(groups, lr=1e-3, sparsity=sparsity, warmup_steps=1,
-                                    comm=NullCommunicator(world, 0),
-                                    **({"split": None} if split is not None or split_off
-                                       else {}))
+    spec = Spec(lr=1e-3, sparsity=sparsity, kwargs={"warmup_steps": 1, "update": update})
+    opt = build("scape" if sparsity else "adams", groups, spec, NullCommunicator(world, 0))
     x = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(0))
     sizes = []
     for _ in range(3):
@@ -58,7 +50,8 @@ RUN_KEYS = {"schema", "name", "config", "optimizer_settings", "params", "final_v
             "val_curve", "train_curve",
             "timing_window", "median_step_s", "median_wait_s", "median_compute_s",
             "median_compute_s_by_rank", "step_s", "bytes_per_step", "bytes_per_step_total",
-            "bytes_per_step_mean_all_steps", "dense_steps", "phases", "wall_s", "train_wall_s"}
+            "bytes_per_step_mean_all_steps", "dense_steps", "phases", "wall_s", "train_wall_s",
+            "param_sha256", "param_sha256_ranks_agree"}
 
 
 @pytest.mark.timeout(240)
@@ -76,6 +69,9 @@ def test_compare_smoke(tmp_path):
     by = {r["name"]: r for r in report["runs"]}
     for r in report["runs"]:
         assert set(r) == RUN_KEYS and r["schema"] == "scape.run/1"
+        assert len(r["param_sha256"]) == 64
+        if r["name"] != "compute_only":  # the floor's ranks exchange nothing
+            assert r["param_sha256_ranks_agree"], r["name"]
         assert len(r["train_curve"]) == len(r["step_s"]) == steps
         assert all(t > 0 for t in r["step_s"])
         assert 0 <= r["median_wait_s"] <= r["median_step_s"]
@@ -88,25 +84,21 @@ def test_compare_smoke(tmp_path):
     # every optimizer trained on the same data: the first step's loss is the same
     first = {round(r["train_curve"][0], 5) for r in report["runs"]}
     assert len(first) == 1
-    # the effective settings are recorded (library defaults included)
+    # the effective settings are recorded (the rule's fields and library defaults included)
     settings = by["scape-0.99"]["optimizer_settings"]
-    assert settings["warmup_steps"] == 2
-    # the defaults ("auto") resolved for two sparse groups (decay, no_decay): the gain
-    # masks, no split (each group sends its own sparsity)
-    assert (settings["update"], settings.get("split")) == resolve("auto", "auto", 2)
-    assert settings.get("split") is None and "split_sparsity" not in settings
+    assert settings == {"update": "auto", "explore": 0.1, "warmup_steps": 2, "dense_every": 0,
+                        "error_feedback": True, "block_size": 4096}
+    assert by["scape-0.99-embed0.9"]["optimizer_settings"]["update"] == \
+        "catchup_agree_trust2_accum"  # the research's rule, registered in the ranks
     # bytes: DDP counts 2 x its fp32 gradient buckets; SCAPE's equal the library's own record
     # of every group at 0.99
     assert by["adamw_ddp"]["bytes_per_step_total"] == 2 * 4 * by["adams"]["params"]
     dense, _ = _library_bytes(0.0, world)
-    _, sparse99 = _library_bytes(0.99, world, split={"0": 0.99, "1": 0.99})
     assert by["adams"]["bytes_per_step_total"] == dense
-    _, own = _library_bytes(0.99, world)  # the defaults
-    assert own == sparse99
+    _, sparse99 = _library_bytes(0.99, world)  # the defaults
     for name in ("scape-0.99", "compute_only"):
-        assert by[name]["bytes_per_step_total"] == own
-    assert by["scape-0.99-embed0.9"]["optimizer_settings"].get("split") is None  # set by hand
-    _, embed = _library_bytes(0.99, world, {"embed": 0.9}, split_off=True)
+        assert by[name]["bytes_per_step_total"] == sparse99
+    _, embed = _library_bytes(0.99, world, {"embed": 0.9}, "catchup_agree_trust2_accum")
     assert by["scape-0.99-embed0.9"]["bytes_per_step_total"] == embed > sparse99
     assert by["scape-0.99"]["bytes_per_step"]["all_gather"] > 0
     # table rows and ratios

@@ -2,7 +2,7 @@
 
 A hand-set split (the embedding matrices at 0.95, the rest at 0.9925: 99% of all coordinates
 per step) closes more than half of the 99%-sparsity gap of the bundled workload at unchanged
-bytes (bench/README.md, hypothesis 14). This module sets such a split from a measured signal
+bytes (docs/research.md, hypothesis 14). This module sets such a split from a measured signal
 instead of by name (hypotheses 16 and 17).
 
 **The signal.** The noise-sized rules (``catchup_snr_accum``, the ``catchup_agree*`` rules)
@@ -26,8 +26,7 @@ sparsity) * sum n_g``: the same coordinates per step in total as every group at 
 (water-filling). ``power = 0`` is every group at ``sparsity``; a larger power favours the
 groups that read higher more.
 
-    opt = scape.SCAPE(groups, lr=3e-4, update="catchup_agree_trust2_accum",
-                      split=None)                 # the split is made here, not by opt
+    opt = scape.SCAPE(groups, lr=3e-4, update="catchup_agree_trust2_accum")
     meter, numels = AgreementMeter(opt), group_numels(opt)
     for t in range(steps):
         ...; loss.backward()
@@ -38,7 +37,7 @@ groups that read higher more.
             apply_allotment(opt, split)
         opt.step()
 
-**What it measured** (bench/README.md, hypothesis 16: 2,000 steps of the bundled workload at
+**What it measured** (docs/research.md, hypothesis 16: 2,000 steps of the bundled workload at
 99% overall, ``catchup_agree_trust2_accum``): read from a fresh gradient mean
 (:class:`AgreementMeter`) at power 3, 1.082x dense AdamS on four seeds, against 1.118x with
 every group at 0.99 and 1.051x for the best split set by hand. Read from ``m``
@@ -51,12 +50,12 @@ sparse step 600 on): 1.067x on four seeds, 76% of the hand-set split's gain. At 
 sparsity 0.9847 (1/51.8 of dense bytes per sparse step) it gives 1.013x on seven seeds, as the
 embeddings set by hand to 0.9 do (1.012x). With the default rule it gave 1.118x at 99% overall (by
 hand 1.106x; one seed) and 1.055x at 0.9847 (two seeds; every group at 0.9841: 1.049x).
-:class:`scape.SCAPE` runs the gain split at power 1 itself (``split="gain"``; hypothesis 18),
-by default where there are two or more sparse groups and the rule takes its masks by
-accumulated mass (``catchup_agree_trust2_accum``): the meter's EMA then lives in the shards and
-travels in checkpoints. The default rule since hypothesis 19 takes each coordinate's gain into
-its masks instead (:func:`scape.rules.gain_score_residual`) and runs no split. The functions
-here are for other signals, powers, floors and schedules.
+The library's default rule (``update="auto"``) takes each coordinate's gain into its masks
+instead (:func:`scape.rules.gain_score_residual`, hypothesis 19) and splits nothing: the
+optimizer sends each param group at its own ``sparsity``, and the split is made here, from
+outside, by writing the groups' ``sparsity`` between steps (:func:`apply_allotment`; the
+``-auto*`` rows of :mod:`bench.research.rows` do it through
+:class:`bench.research.rows.Allotment`).
 
 Only groups built sparse take part (a group built with ``sparsity=0`` stays dense and out of
 the budget). Every rank computes the same split from the all-reduced means, so masks stay
@@ -70,8 +69,16 @@ import math
 
 import torch
 
-from scape import config
 from scape.rules import NOISE_BETA, NOISE_STATE
+
+
+def _check_fraction(name: str, v: object, hi_open: bool = False) -> None:
+    """``v`` is a float in ``[0, 1]`` (``[0, 1)`` with ``hi_open``), as the library checks its
+    own fractions."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 <= v <= 1.0 \
+            or (hi_open and v == 1.0):
+        raise ValueError(f"Invalid {name}: {v!r} (expected a float in "
+                         f"[0, 1{')' if hi_open else ']'})")
 
 
 def _check_noise_state(opt, who: str) -> None:
@@ -121,7 +128,7 @@ class AgreementMeter:
 
     :func:`group_agreement` reads ``m``, which for a coordinate not sent lately is the value
     of its last sync: the sparser a group, the staler its ``m`` and the lower its measured
-    agreement, so a split taken from it feeds on itself (bench/README.md, hypothesis 16). The
+    agreement, so a split taken from it feeds on itself (docs/research.md, hypothesis 16). The
     meter keeps, per shard coordinate, the EMA ``mu`` of the owner's own per-step gradient
     (the same ``beta`` as the rule's ``s2``: 4 more bytes per shard coordinate and one pass
     per step) and estimates the signal as ``mu^2 - var (1 - beta) / (1 + beta)`` (the EMA's
@@ -139,7 +146,7 @@ class AgreementMeter:
         _check_noise_state(opt, "AgreementMeter")
         self.opt = opt
         self.beta = NOISE_BETA if beta is None else beta
-        config.check_fraction("beta", self.beta)
+        _check_fraction("beta", self.beta)
         if self.beta == 1.0:
             raise ValueError("Invalid beta: 1.0 (expected a float in [0, 1): the EMA must move)")
         self.mu = [torch.zeros_like(s.m) if m is not None else None
@@ -229,7 +236,7 @@ def allot(signal: dict[int, float], numels: dict[int, int], sparsity: float,
     sparsity of each group; ``sum n_g (1 - s_g) == (1 - sparsity) * sum n_g`` unless every
     group is clipped. ``floor`` in [0, 1]: no group's density below ``floor * (1 - sparsity)``
     (nor below ``1 / block_size``), so one extreme reading cannot starve the other groups."""
-    config.check_sparsity(sparsity)
+    _check_fraction("sparsity", sparsity, hi_open=True)
     if sparsity == 0.0:
         raise ValueError("allot: sparsity must be > 0 (a sparse budget to split)")
     if set(signal) != set(numels) or not numels:

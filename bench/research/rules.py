@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import re
 from typing import Any
 
 import torch
@@ -118,6 +119,30 @@ def with_options(name: str, *, explore: float | None = None,
     if new not in RULES:
         rules.register(new, dataclasses.replace(base, **changes))
     return new
+
+
+OPTION_NAME = re.compile(r"(?P<base>.+?)(?:-explore(?P<explore>[0-9.eE+-]+?))?(?P<noef>-noef)?")
+"""The names :func:`with_options` makes: ``<rule>[-explore<f>][-noef]``."""
+
+
+def registered(name: Any) -> Any:
+    """``name``, registered: a name of :data:`scape.rules.RULES` as it is, and a name that
+    :func:`with_options` makes (``lazy-explore0.2``, ``lazy-noef``) registered from the name
+    alone, so a process that never called :func:`with_options` (a rank of
+    :mod:`bench.runner`) builds the same rule. Anything else comes back unchanged, for the
+    optimizer to refuse with the names it knows."""
+    if not isinstance(name, str) or name in RULES:
+        return name
+    m = OPTION_NAME.fullmatch(name)
+    if m is None or not (m["explore"] or m["noef"]) or m["base"] not in RULES:
+        return name
+    try:
+        explore = None if m["explore"] is None else float(m["explore"])
+        made = with_options(m["base"], explore=explore,
+                            error_feedback=False if m["noef"] else None)
+    except ValueError:  # an explore outside [0, 1]: the optimizer names the known rules
+        return name
+    return made if made == name else name
 
 
 for _name, _rule in RESEARCH_RULES.items():

@@ -1,0 +1,87 @@
+"""Transform-domain selection for the quality research: SCAPE on a rotated parametrization.
+
+DeMo's idea, in SCAPE's terms: pick the sparse set in a fixed orthogonal transform domain, so
+that a sparse set of coefficients is a dense parameter update. With ``D`` an orthonormal
+``c x c`` matrix applied to each run of ``c`` consecutive entries of a weight (a row chunk of a
+row-major matrix), the optimizer trains ``theta_hat = D theta`` instead of ``theta``:
+
+- the gradient is ``D g`` (``D`` orthogonal), added into ``theta_hat.grad`` every step, so
+  SCAPE's error feedback keeps its residual in the coefficient domain;
+- after the step the model's weights are rebuilt as ``theta = D^T theta_hat``.
+
+This is exactly SCAPE (masks, take, reduce-scatter, AdamS, all-gather of the new coefficient
+values, bytes) run on the rotated model; no optimizer code changes. AdamS normalizes per
+coefficient, so the rotation changes the dynamics; dense AdamS on the rotated model is a
+different optimizer, which is why the rows compare with dense AdamS on the plain model.
+Transforms: ``dct`` (DCT-II, DeMo's choice), ``hadamard`` (``c`` a power of two), ``random``
+(a fixed random orthogonal matrix from seed 0).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+TRANSFORMS = ("dct", "hadamard", "random")
+
+
+def transform_matrix(kind: str, c: int) -> torch.Tensor:
+    """The orthonormal ``c x c`` matrix of ``kind`` (rows are the basis vectors), fp32."""
+    if kind not in TRANSFORMS:
+        raise ValueError(f"transform must be one of {TRANSFORMS}, got {kind!r}")
+    if not isinstance(c, int) or isinstance(c, bool) or c < 2:
+        raise ValueError(f"transform chunk must be an int >= 2, got {c!r}")
+    if kind == "dct":
+        n = torch.arange(c, dtype=torch.float64)
+        d = math.sqrt(2.0 / c) * torch.cos(math.pi * (n[None, :] + 0.5) * n[:, None] / c)
+        d[0] /= math.sqrt(2.0)
+    elif kind == "hadamard":
+        if c & (c - 1):
+            raise ValueError(f"the hadamard transform needs a power-of-two chunk, got {c}")
+        d = torch.ones(1, 1, dtype=torch.float64)
+        while d.shape[0] < c:
+            d = torch.cat([torch.cat([d, d], 1), torch.cat([d, -d], 1)], 0)
+        d /= math.sqrt(c)
+    else:
+        g = torch.Generator().manual_seed(0)
+        d, _ = torch.linalg.qr(torch.randn(c, c, generator=g, dtype=torch.float64))
+    return d.float()
+
+
+class Rotated:
+    """Shadow parameters ``theta_hat = D theta`` for ``params`` (each a multiple of ``c`` long).
+
+    ``shadows`` go to the optimizer in place of ``params``; call :meth:`push_grads` after
+    backward (adds ``D g`` into each shadow's grad and clears the model's) and :meth:`pull`
+    after ``opt.step()`` (writes ``D^T theta_hat`` back into the model).
+    """
+
+    def __init__(self, params: list[torch.nn.Parameter], kind: str, c: int) -> None:
+        self.d = transform_matrix(kind, c)
+        self.c = c
+        for p in params:
+            if p.numel() % c:
+                raise ValueError(f"a parameter of shape {tuple(p.shape)} is not a multiple of "
+                                 f"the transform chunk {c}")
+        self.params = list(params)
+        self.shadows = [torch.nn.Parameter(self._fwd(p.detach())) for p in self.params]
+
+    def _fwd(self, x: torch.Tensor) -> torch.Tensor:
+        return (x.reshape(-1, self.c) @ self.d.T).reshape(-1)
+
+    def push_grads(self) -> None:
+        for p, s in zip(self.params, self.shadows):
+            if p.grad is None:
+                continue
+            g = self._fwd(p.grad)
+            if s.grad is None:
+                s.grad = g
+            else:
+                s.grad.add_(g)
+            p.grad = None
+
+    @torch.no_grad()
+    def pull(self) -> None:
+        for p, s in zip(self.params, self.shadows):
+            p.copy_((s.reshape(-1, self.c) @ self.d).reshape(p.shape))

@@ -1,0 +1,196 @@
+"""One training run of the benchmarks as data: :class:`RunConfig` (validated on construction,
+``dataclasses.asdict`` is its JSON form), its learning-rate schedule :func:`lr_at`, and
+:func:`load_config` for the ``--config`` of ``python -m bench.runner``."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from typing import Any
+
+from bench.gpt import PRESETS, check_group_sparsity
+from bench.optimizers import OPTIMIZERS as REGISTRY
+from bench.optimizers import check_kwargs
+
+OPTIMIZERS = tuple(REGISTRY)
+"""Values of ``RunConfig.optimizer``: the names of :data:`bench.optimizers.OPTIMIZERS`."""
+
+
+@dataclasses.dataclass
+class RunConfig:
+    """One training run. Validated on construction; ``dataclasses.asdict`` is its JSON form."""
+
+    optimizer: str = "scape"
+    """One of :data:`OPTIMIZERS`."""
+    sparsity: float = 0.99
+    """Fraction of coordinates not sent per step (``scape``, ``topk``, ``compute_only``)."""
+    optimizer_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """Passed through to the optimizer's factory (:mod:`bench.optimizers`): to ``scape.SCAPE``
+    (e.g. ``update``, ``warmup_steps``, ``dense_every``, ``block_size``; a research rule's
+    name, or one made by :func:`bench.research.rules.with_options` for another ``explore`` or
+    no error feedback), to the top-k baseline (``warmup_steps``, ``block_size``) or to the
+    outer optimizer of a local-step row (``sync_every``, ``density``, ...)."""
+    group_sparsity: dict[str, float] | None = None
+    """Per-group sparsity by :func:`bench.gpt.param_groups` group name (``"embed"`` splits the
+    embedding matrices, the tied head, into a group of their own); None: ``sparsity``
+    everywhere. SCAPE rows only."""
+    model: str = "small"
+    """:mod:`bench.gpt` preset (``tiny``, ``small``, ``base``)."""
+    world: int = 4
+    """Number of ranks (processes)."""
+    steps: int = 100
+    """Optimizer steps."""
+    batch: int = 4
+    """Sequences per rank and micro-batch; the global batch is ``batch * world * grad_accum``."""
+    grad_accum: int = 1
+    """Micro-batches per optimizer step (larger global batches at the same memory)."""
+    seq: int | None = None
+    """Tokens per sequence (None: the preset's ``seq_len``)."""
+    lr: float = 3e-3
+    """Peak learning rate."""
+    warmup_frac: float = 0.05
+    """Linear LR warm-up over this fraction of the steps, then cosine decay to 10% of ``lr``."""
+    betas: tuple[float, float] = (0.9, 0.95)
+    """Moment coefficients of every optimizer (AdamW's and AdamS's)."""
+    weight_decay: float = 0.1
+    """On the attention and MLP matrices; norms and embeddings get none
+    (:func:`bench.gpt.param_groups`)."""
+    seed: int = 0
+    """Model initialisation and data order."""
+    eval_every: int = 50
+    """Validation loss every n steps, and always after the last one."""
+    eval_seqs: int = 64
+    """Fixed held-out windows of the validation split."""
+    data: str | None = None
+    """Text file or directory (None: the interpreter's standard library)."""
+    threads: int | None = None
+    """torch threads per rank (None: ``max(1, cpu_count // world)``)."""
+    timing_skip: int | None = None
+    """Steps left out of the medians (None: the optimizer's dense warm-up + 2)."""
+    log_every: int = 10
+    """Rank 0 prints a progress line every n steps (0: never)."""
+    timeout_s: float = 900.0
+    """Deadline of the whole run; past it every rank is killed and :func:`run` raises."""
+    profile_dir: str | None = None
+    """Write a torch.profiler trace per rank here (steps 3..5 after the warm-up)."""
+    name: str | None = None
+    """Label in reports (None: derived from the optimizer and sparsity)."""
+
+    def __post_init__(self) -> None:
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"RunConfig.optimizer must be one of {OPTIMIZERS}, "
+                             f"got {self.optimizer!r}")
+        if not isinstance(self.sparsity, (int, float)) or not 0.0 <= self.sparsity < 1.0:
+            raise ValueError(f"RunConfig.sparsity must be in [0, 1), got {self.sparsity!r}")
+        entry = REGISTRY[self.optimizer]
+        if self.group_sparsity is not None:
+            if not entry.group_sparsity:
+                takes = [n for n, e in REGISTRY.items() if e.group_sparsity]
+                raise ValueError(f"RunConfig.group_sparsity applies to the {' and '.join(takes)}"
+                                 f" rows, not {self.optimizer!r}")
+            check_group_sparsity(self.group_sparsity)  # param_groups' checks, before launch
+        if entry.needs_sparsity and self.sparsity == 0.0:
+            raise ValueError(f"RunConfig.sparsity must be > 0 for optimizer "
+                             f"{self.optimizer!r} (use 'adams' for dense), got 0.0")
+        if not isinstance(self.optimizer_kwargs, dict):
+            raise TypeError("RunConfig.optimizer_kwargs must be a dict, got "
+                            f"{type(self.optimizer_kwargs).__name__}")
+        try:
+            check_kwargs(self.optimizer, self.optimizer_kwargs)
+        except ValueError as e:
+            raise ValueError(f"RunConfig.{e}") from None
+        for field in ("world", "steps", "batch", "grad_accum", "eval_every", "eval_seqs"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"RunConfig.{field} must be a positive int, got {value!r}")
+        for field in ("seq", "threads"):
+            value = getattr(self, field)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or value < 1):
+                raise ValueError(f"RunConfig.{field} must be a positive int or None, "
+                                 f"got {value!r}")
+        if not isinstance(self.lr, (int, float)) or not self.lr > 0:
+            raise ValueError(f"RunConfig.lr must be > 0, got {self.lr!r}")
+        if not 0.0 <= self.warmup_frac < 1.0:
+            raise ValueError(f"RunConfig.warmup_frac must be in [0, 1), got {self.warmup_frac!r}")
+        self.betas = (float(self.betas[0]), float(self.betas[1]))
+        if self.weight_decay < 0:
+            raise ValueError(f"RunConfig.weight_decay must be >= 0, got {self.weight_decay!r}")
+        if self.timing_skip is not None and not 0 <= self.timing_skip < self.steps:
+            raise ValueError(f"RunConfig.timing_skip must be in [0, steps={self.steps}), "
+                             f"got {self.timing_skip!r}")
+        if not self.timeout_s > 0:
+            raise ValueError(f"RunConfig.timeout_s must be > 0, got {self.timeout_s!r}")
+        if self.model not in PRESETS:
+            raise ValueError(f"RunConfig.model must be one of {sorted(PRESETS)}, "
+                             f"got {self.model!r}")
+        seq = self.seq_len
+        if seq > PRESETS[self.model].seq_len:
+            raise ValueError(f"RunConfig.seq must be <= the {self.model} preset's seq_len "
+                             f"{PRESETS[self.model].seq_len}, got {seq}")
+        if self.group_sparsity and "head" in self.group_sparsity and PRESETS[self.model].tie_head:
+            raise ValueError(f"RunConfig.group_sparsity: group 'head' needs an untied model "
+                             f"(e.g. small-untied); the {self.model} preset ties its head to "
+                             f"the token embedding")
+
+    @property
+    def seq_len(self) -> int:
+        return self.seq if self.seq is not None else PRESETS[self.model].seq_len
+
+    @property
+    def label(self) -> str:
+        if self.name:
+            return self.name
+        if REGISTRY[self.optimizer].sparse:
+            return f"{self.optimizer}-{self.sparsity:g}"
+        return self.optimizer
+
+    @property
+    def warmup_steps(self) -> int:
+        """Dense optimizer steps at the start (SCAPE's and top-k's warm-up; 0 otherwise)."""
+        if REGISTRY[self.optimizer].sparse:
+            return int(self.optimizer_kwargs.get("warmup_steps", 20))
+        return 0
+
+    @property
+    def skip(self) -> int:
+        if self.timing_skip is not None:
+            return self.timing_skip
+        return min(self.steps - 1, self.warmup_steps + 2)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> RunConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"RunConfig: unknown fields {unknown} (known: {sorted(known)})")
+        d = dict(d)
+        if "betas" in d:
+            d["betas"] = tuple(d["betas"])
+        return cls(**d)
+
+
+def lr_at(step: int, cfg: RunConfig) -> float:
+    """Learning rate of 0-based step ``step``: linear warm-up, then cosine to 10% of ``lr``."""
+    warm = max(1, int(cfg.warmup_frac * cfg.steps))
+    if step < warm:
+        return cfg.lr * (step + 1) / warm
+    t = (step - warm) / max(1, cfg.steps - warm)
+    return cfg.lr * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * t)))
+
+
+
+def load_config(text: str) -> RunConfig:
+    """A RunConfig from a JSON string or the path of a JSON file."""
+    if os.path.exists(text):
+        with open(text) as f:
+            text = f.read()
+    try:
+        d = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--config must be JSON or a JSON file, got {text[:80]!r}: {e}") from e
+    if not isinstance(d, dict):
+        raise ValueError(f"--config must be a JSON object, got {type(d).__name__}")
+    return RunConfig.from_dict(d)

@@ -1,0 +1,191 @@
+"""The body of one rank of :func:`bench.runner.run`: build the model and the optimizer
+(:mod:`bench.optimizers`), train with the measurements the runner's docstring lists, and
+report one dict per rank through a queue."""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import os
+import time
+import traceback
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from bench.comm_timing import DDPCounter, timed_communicator
+from bench.data import batch_at, eval_loss, load_corpus
+from bench.gpt import GPT, get_config, num_params, param_groups
+from bench.nullcomm import NullCommunicator
+from bench.optimizers import OPTIMIZERS, Spec, build
+from bench.run_config import RunConfig, lr_at
+from scape.comm import TorchCommunicator
+
+
+def _build(cfg: RunConfig, rank: int, world: int) -> tuple[Any, Any, Any, torch.nn.Module]:
+    """``(model_to_call, optimizer, counter, module)``: counter has ``stats`` and ``wait_s``."""
+    module = GPT(get_config(cfg.model), seed=cfg.seed)
+    groups = param_groups(module, cfg.weight_decay, cfg.group_sparsity)
+    for g in groups:
+        g.pop("name", None)
+    entry = OPTIMIZERS[cfg.optimizer]
+    spec = Spec(lr=cfg.lr, betas=cfg.betas, sparsity=cfg.sparsity,
+                kwargs=dict(cfg.optimizer_kwargs))
+    if entry.comm == "ddp":
+        counter = DDPCounter(world)
+        ddp = DDP(module)
+        ddp.register_comm_hook(None, counter.hook)
+        return ddp, build(cfg.optimizer, groups, spec), counter, module
+    inner = NullCommunicator(world, rank) if entry.comm == "null" \
+        else TorchCommunicator(timeout=cfg.timeout_s)
+    comm = timed_communicator(inner)
+    opt: Any = build(cfg.optimizer, groups, spec, comm)
+    if hasattr(opt, "attach"):
+        opt.attach(module)
+    return module, opt, comm, module
+
+
+def rank_main(rank: int, world: int, cfg_dict: dict[str, Any], init_file: str,
+               q: Any) -> None:
+    """Body of one rank: train, measure, report a dict through ``q``."""
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    try:
+        cfg = RunConfig.from_dict(cfg_dict)
+        torch.set_num_threads(cfg.threads or max(1, (os.cpu_count() or 1) // world))
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                                world_size=world,
+                                timeout=datetime.timedelta(seconds=cfg.timeout_s))
+        q.put(("result", rank, _train(cfg, rank, world)))
+        q.close()
+        q.join_thread()  # the result is in the pipe before any teardown below
+    except BaseException:  # noqa: BLE001 - report everything to the parent
+        q.put(("error", rank, traceback.format_exc()))
+        raise SystemExit(1) from None
+    finally:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001
+                pass
+
+
+def _train(cfg: RunConfig, rank: int, world: int) -> dict[str, Any]:
+    corpus = load_corpus(cfg.data)
+    model, opt, counter, module = _build(cfg, rank, world)
+    seq, global_batch = cfg.seq_len, cfg.batch * world
+    prof, prof_steps = None, range(cfg.skip + 1, min(cfg.steps, cfg.skip + 4) + 1)
+    records: list[dict[str, Any]] = []
+    val_curve: list[tuple[int, float]] = []
+    ddp = OPTIMIZERS[cfg.optimizer].comm == "ddp"
+    floor = OPTIMIZERS[cfg.optimizer].comm == "null"  # nothing trained across ranks
+    evaluate = not floor
+    started = time.perf_counter()
+    for step in range(cfg.steps):
+        if cfg.profile_dir is not None and step + 1 == prof_steps.start:
+            prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+            prof.__enter__()
+        if floor:
+            # Real runs start every step together (their collectives line the ranks up), so
+            # the ranks compete for the cores the same way; without this the floor's ranks
+            # drift apart and a lone rank runs faster than any synchronized one could.
+            dist.barrier()
+        batches = [batch_at(corpus.train, step * cfg.grad_accum + micro, global_batch, seq,
+                            cfg.seed, rank, world) for micro in range(cfg.grad_accum)]
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, cfg)
+        bytes_before = {op: int(v["bytes"]) for op, v in counter.stats.items()}
+        wait_before = counter.wait_s
+        t0 = time.perf_counter()
+        loss_sum = torch.zeros(())
+        for micro, (x, y) in enumerate(batches):
+            last = micro == cfg.grad_accum - 1
+            ctx = model.no_sync() if (ddp and not last) else _null()
+            with ctx:
+                loss = module.loss(x, y) if model is module else _ddp_loss(model, x, y)
+                (loss / cfg.grad_accum).backward()
+            loss_sum += loss.detach()
+        opt.step()
+        opt.zero_grad()
+        step_s = time.perf_counter() - t0
+        wait_s = counter.wait_s - wait_before
+        sent = {op: int(v["bytes"]) - bytes_before.get(op, 0)
+                for op, v in counter.stats.items()}
+        records.append({"step_s": step_s, "wait_s": wait_s,
+                        "bytes": {op: b for op, b in sent.items() if b},
+                        "train_loss": float(loss_sum) / cfg.grad_accum,
+                        "dense": bool(getattr(getattr(opt, "last_step", None), "dense", True))})
+        if prof is not None and cfg.profile_dir is not None and step + 1 == prof_steps.stop - 1:
+            _drain(opt)  # no collective may still be recording when the profiler stops
+            prof.__exit__(None, None, None)
+            os.makedirs(cfg.profile_dir, exist_ok=True)
+            prof.export_chrome_trace(os.path.join(cfg.profile_dir, f"trace_rank{rank}.json"))
+            prof = None
+        done = step + 1
+        if evaluate and (done % cfg.eval_every == 0 or done == cfg.steps):
+            if hasattr(opt, "finish_param_sync"):
+                opt.finish_param_sync()
+            if rank == 0:
+                val_curve.append((done, eval_loss(module, corpus.val, seq,
+                                                  n_seqs=cfg.eval_seqs)))
+            dist.barrier()
+        if rank == 0 and cfg.log_every and (done % cfg.log_every == 0 or done == cfg.steps):
+            val = f" val {val_curve[-1][1]:.4f}" if val_curve and val_curve[-1][0] == done \
+                else ""
+            print(f"[{cfg.label}] step {done}/{cfg.steps} train {records[-1]['train_loss']:.4f}"
+                  f"{val} | {step_s * 1e3:.0f} ms/step ({time.perf_counter() - started:.0f} s)",
+                  flush=True)
+    phases: list[str] = []
+    if cfg.profile_dir is not None:
+        path = os.path.join(cfg.profile_dir, f"trace_rank{rank}.json")
+        if os.path.exists(path):
+            with open(path) as f:
+                names = {e.get("name", "") for e in json.load(f).get("traceEvents", [])}
+            phases = sorted(n for n in names if n.startswith(("scape/", "topk/")))
+    settings: dict[str, Any] = {
+        k: getattr(opt, k) for k in ("update", "explore", "warmup_steps", "dense_every",
+                                     "error_feedback", "block_size")
+        if isinstance(getattr(opt, k, None), (str, int, float, bool))}
+    if hasattr(opt, "finish_param_sync"):
+        opt.finish_param_sync()
+    return {"records": records, "val_curve": val_curve, "params": num_params(module),
+            "wall_s": time.perf_counter() - started, "phases": phases,
+            "optimizer_settings": settings, "param_sha256": param_digest(module)}
+
+
+def param_digest(module: torch.nn.Module) -> str:
+    """sha256 of the module's parameters (names, dtypes, shapes and bytes, in order): two runs
+    whose digests agree trained bitwise the same model."""
+    h = hashlib.sha256()
+    for name, p in module.named_parameters():
+        t = p.detach().cpu().contiguous()
+        h.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def _drain(opt: Any) -> None:
+    """Wait for every collective the optimizer still has in flight (parameter all-gathers,
+    SCAPE's next-mask all-gather). Stopping torch.profiler while gloo's threads still run a
+    collective crashed ranks (SIGSEGV) intermittently on CPU."""
+    if hasattr(opt, "finish_param_sync"):
+        opt.finish_param_sync()
+    for mask in getattr(opt, "masks", None) or []:
+        if mask is not None:
+            mask.wait()
+
+
+class _null:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+def _ddp_loss(ddp: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    logits = ddp(x)
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1))

@@ -1,0 +1,311 @@
+"""The shape of the tree: no import cycle among the benchmark modules, no module over 500
+lines, the benchmarks use only the library's public surface, and the library knows nothing of
+the benchmarks. Each check also runs on a planted violation, so it is known to fail."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import os
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+LIBRARY = ("scape", "kernels", "comm")
+MAX_LINES = 500
+
+PUBLIC = {
+    "scape": None,  # filled in by _allowed(): scape.__all__ and its public modules
+    "scape.rules": None,
+    "scape.kernels": None,
+    "scape.comm": None,
+    "scape.comm.base": {"Communicator", "Work", "CompletedWork", "CommError", "OPS",
+                        "REDUCE_OPS"},
+    "scape.buffers": {"Bucket", "DENSE_ALIGN"},
+    "scape.profiling": {"phase"},
+}
+"""The library surface the benchmarks may use: module -> the names they may take from it
+(None: every public name)."""
+
+
+def _allowed() -> dict[str, set[str] | None]:
+    import scape
+    import scape.comm
+
+    table = dict(PUBLIC)
+    table["scape"] = set(scape.__all__) | {"rules", "kernels", "comm", "buffers", "profiling",
+                                           "__version__"}
+    table["scape.comm"] = set(scape.comm.__all__)
+    return table
+
+
+def _modules(root: Path, packages: tuple[str, ...]) -> dict[str, Path]:
+    """``{"bench.runner": path, "bench": path/__init__.py, ...}`` under ``root``."""
+    out = {}
+    for pkg in packages:
+        for path in sorted((root / pkg.replace(".", "/")).glob("*.py")):
+            parts = path.relative_to(root).with_suffix("").parts
+            name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+            out[name] = path
+    return out
+
+
+def _imports(tree: ast.AST, module: str, is_package: bool) -> list[tuple[str, list[str]]]:
+    """Every import in ``tree``, at any depth (module level and inside functions), as
+    ``(module, names)``; ``names`` is empty for ``import x``."""
+    package = module if is_package else module.rpartition(".")[0]
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(alias.name, []) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")
+                anchor = anchor[:len(anchor) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            found.append((base, [alias.name for alias in node.names]))
+    return found
+
+
+def import_graph(root: Path, packages: tuple[str, ...]) -> dict[str, set[str]]:
+    """Module -> the modules of ``packages`` it imports (``from pkg import mod`` counts as an
+    import of ``pkg.mod``; importing ``a.b.c`` imports the packages ``a`` and ``a.b`` too)."""
+    mods = _modules(root, packages)
+    graph: dict[str, set[str]] = {m: set() for m in mods}
+    for name, path in mods.items():
+        tree = ast.parse(path.read_text(), str(path))
+        for target, names in _imports(tree, name, path.name == "__init__.py"):
+            heads = [f"{target}.{n}" for n in names if f"{target}.{n}" in mods] or [target]
+            for head in heads:
+                parts = head.split(".")
+                for i in range(1, len(parts) + 1):
+                    dep = ".".join(parts[:i])
+                    if dep in mods and dep != name:
+                        graph[name].add(dep)
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """A cycle of ``graph`` as a path ``[a, b, ..., a]``, or None."""
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for dep in sorted(graph.get(node, ())):
+            if state.get(dep) == 1:
+                return stack[stack.index(dep):] + [dep]
+            if dep not in state and (cycle := visit(dep)):
+                return cycle
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def long_modules(root: Path, dirs: tuple[str, ...], limit: int = MAX_LINES) -> dict[str, int]:
+    """``{path: lines}`` of every ``.py`` file under ``dirs`` (recursively) over ``limit``."""
+    out = {}
+    for d in dirs:
+        for path in sorted((root / d).rglob("*.py")):
+            n = len(path.read_text().splitlines())
+            if n > limit:
+                out[str(path.relative_to(root))] = n
+    return out
+
+
+def _is_module(name: str) -> bool:
+    try:
+        importlib.import_module(name)
+    except ImportError:
+        return False
+    return True
+
+
+def library_uses(root: Path, packages: tuple[str, ...]) -> list[str]:
+    """What the modules of ``packages`` take from ``scape`` beyond :data:`PUBLIC`: imports of
+    other modules or names, names starting with ``_``, and ``scape.<attr>`` chains on an
+    imported module that leave the public surface."""
+    allowed = _allowed()
+
+    def module_ok(mod: str) -> bool:
+        if mod in allowed:
+            return True
+        head, _, last = mod.rpartition(".")
+        return head == "scape.kernels" and not last.startswith("_") and _is_module(mod)
+
+    def name_ok(mod: str, name: str) -> bool:
+        if name.startswith("_") and name != "__version__":
+            return False
+        names = allowed.get(mod)
+        return names is None or name in names
+
+    bad = []
+    for module, path in _modules(root, packages).items():
+        tree = ast.parse(path.read_text(), str(path))
+        where = str(path.relative_to(root))
+        bound: dict[str, str] = {}  # local name -> the scape module it is
+        for target, names in _imports(tree, module, path.name == "__init__.py"):
+            if target != "scape" and not target.startswith("scape."):
+                continue
+            if not names:
+                if not module_ok(target):
+                    bad.append(f"{where}: import {target}")
+                bound["scape"] = "scape"
+                continue
+            if not module_ok(target):
+                bad.append(f"{where}: from {target} import {', '.join(names)}")
+                continue
+            for n in names:
+                if not name_ok(target, n):
+                    bad.append(f"{where}: from {target} import {n}")
+                elif module_ok(f"{target}.{n}") and _is_module(f"{target}.{n}"):
+                    bound[n] = f"{target}.{n}"
+        for node in ast.walk(tree):
+            if isinstance(node, ast.alias) and node.asname and node.name in bound.values():
+                bound[node.asname] = node.name
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                    and node.value.id in bound):
+                continue
+            mod = bound[node.value.id]
+            if not name_ok(mod, node.attr):
+                bad.append(f"{where}:{node.lineno}: {node.value.id}.{node.attr} ({mod})")
+    return bad
+
+
+def library_mentions(root: Path, dirs: tuple[str, ...] = LIBRARY) -> list[str]:
+    """Where library code names the benchmarks' README, speaks of hypotheses, or imports
+    from ``bench``."""
+    bad = []
+    for d in dirs:
+        for path in sorted((root / d).rglob("*.py")):
+            text = path.read_text()
+            where = str(path.relative_to(root))
+            lower = text.lower()
+            for word in ("bench/readme", "hypothesis", "hypotheses"):
+                if word in lower:
+                    bad.append(f"{where}: mentions {word!r}")
+            for target, _ in _imports(ast.parse(text, where), d, False):
+                if target == "bench" or target.startswith("bench."):
+                    bad.append(f"{where}: imports {target}")
+    return bad
+
+
+# --------------------------------------------------------------------------- the tree
+BENCH = ("bench", "bench.research")
+
+
+def test_bench_has_no_import_cycle():
+    graph = import_graph(ROOT, BENCH)
+    assert {"bench.runner", "bench.optimizers", "bench.research.rules"} <= set(graph)
+    assert "bench.research.rules" in graph["bench.optimizers"]  # the one registration
+    assert find_cycle(graph) is None, " -> ".join(find_cycle(graph) or [])
+
+
+def test_no_module_over_500_lines():
+    assert long_modules(ROOT, LIBRARY + ("bench",)) == {}
+
+
+def test_bench_uses_only_the_public_library():
+    assert library_uses(ROOT, BENCH) == []
+
+
+def test_library_knows_nothing_of_the_benchmarks():
+    assert library_mentions(ROOT) == []
+
+
+def test_one_place_registers_the_research_rules():
+    """Only the optimizer table (and the research package itself) imports the research
+    rules; every entry point that takes rule names builds through it."""
+    graph = import_graph(ROOT, BENCH)
+    importers = {m for m, deps in graph.items() if "bench.research.rules" in deps}
+    assert {m for m in importers if not m.startswith("bench.research")} == {"bench.optimizers"}
+    for entry in ("bench.run_rank", "bench.convergence_train", "bench.step_compute",
+                  "bench.lr_stability", "bench.compare"):
+        reach, todo = set(), [entry]
+        while todo:
+            for dep in graph[todo.pop()] - reach:
+                reach.add(dep)
+                todo.append(dep)
+        assert "bench.optimizers" in reach, entry
+
+
+# --------------------------------------------------------------------------- planted faults
+def _plant(root: Path, files: dict[str, str]) -> Path:
+    for rel, text in files.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return root
+
+
+@pytest.mark.parametrize("b_text", [
+    pytest.param("import pkg.a\n", id="module-level"),
+    pytest.param("def f():\n    from pkg import a\n", id="function-level"),
+    pytest.param("def f():\n    from . import a\n", id="relative"),
+    pytest.param("from pkg.sub import c\n", id="through-a-subpackage"),
+])
+def test_a_planted_cycle_is_found(tmp_path, b_text):
+    root = _plant(tmp_path, {"pkg/__init__.py": "", "pkg/a.py": "from pkg.b import x\n",
+                             "pkg/b.py": b_text, "pkg/sub/__init__.py": "",
+                             "pkg/sub/c.py": "import pkg.a\n"})
+    cycle = find_cycle(import_graph(root, ("pkg", "pkg.sub")))
+    assert cycle is not None and cycle[0] == cycle[-1] and "pkg.a" in cycle
+
+
+def test_no_cycle_is_found_where_there_is_none(tmp_path):
+    root = _plant(tmp_path, {"pkg/__init__.py": "", "pkg/a.py": "from pkg.b import x\n",
+                             "pkg/b.py": "import os\n"})
+    assert find_cycle(import_graph(root, ("pkg",))) is None
+
+
+def test_a_planted_long_module_is_found(tmp_path):
+    root = _plant(tmp_path, {"lib/deep/x.py": "x = 1\n" * (MAX_LINES + 1),
+                             "lib/y.py": "y = 1\n" * MAX_LINES})
+    assert long_modules(root, ("lib",)) == {os.path.join("lib", "deep", "x.py"): MAX_LINES + 1}
+
+
+@pytest.mark.parametrize("text, why", [
+    pytest.param("from scape.optimizer import SCAPE\n", "scape.optimizer", id="internal-module"),
+    pytest.param("import scape.sharded\n", "import scape.sharded", id="internal-import"),
+    pytest.param("def f():\n    from scape.rules import _lazy\n", "_lazy", id="private-name"),
+    pytest.param("from scape.buffers import pad_to\n", "pad_to", id="unlisted-name"),
+    pytest.param("import scape\nx = scape.optimizer.SCAPE\n", "scape.optimizer",
+                 id="attribute"),
+    pytest.param("from scape import rules\nx = rules._private\n", "rules._private",
+                 id="module-attribute"),
+    pytest.param("from scape.kernels import _checks\n", "_checks", id="private-module"),
+])
+def test_a_planted_private_use_is_found(tmp_path, text, why):
+    root = _plant(tmp_path, {"pkg/__init__.py": "", "pkg/m.py": text})
+    bad = library_uses(root, ("pkg",))
+    assert len(bad) == 1 and why in bad[0], bad
+
+
+def test_public_uses_pass(tmp_path):
+    root = _plant(tmp_path, {"pkg/__init__.py": "", "pkg/m.py": (
+        "import scape\nfrom scape import StepInfo, rules\nfrom scape.comm.base import Work\n"
+        "from scape.kernels import topk\nx = scape.SCAPE, rules.RULES, topk.topk_config\n")})
+    assert library_uses(root, ("pkg",)) == []
+
+
+@pytest.mark.parametrize("text, why", [
+    pytest.param("# see bench/README.md\n", "bench/readme", id="readme"),
+    pytest.param('"""Hypothesis 3 says so."""\n', "hypothesis", id="hypothesis"),
+    pytest.param("def f():\n    import bench.research.rules\n", "imports bench.research.rules",
+                 id="import"),
+    pytest.param("from bench import optimizers\n", "imports bench", id="from-import"),
+])
+def test_a_planted_library_mention_is_found(tmp_path, text, why):
+    root = _plant(tmp_path, {"scape/x.py": text, "kernels/y.py": "z = 1\n", "comm/z.py": ""})
+    bad = library_mentions(root)
+    assert len(bad) == 1 and why in bad[0], bad
+
