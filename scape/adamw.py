@@ -15,6 +15,7 @@ import torch
 from scape.buffers import DENSE_ALIGN, Bucket
 from scape.checkpoint import load_sharded_state, sharded_state
 from scape.comm import Communicator
+from scape.dcp import is_torch_state_dict, load_torch_state_dict, torch_state_dict
 from scape.kernels import adamw_dense_
 from scape.optim_hooks import load_state_dict_hooks, state_dict_hooks
 from scape.rules import ShardState
@@ -84,12 +85,21 @@ class DistributedAdamW(ShardedOptimizer):
 
     @state_dict_hooks
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
-        """This rank's shard: master weights, both moments, residual-free buffer, step."""
+        """torch.optim's shape, each tensor holding this rank's part (:mod:`scape.dcp`)."""
+        self.finish_param_sync()
+        return torch_state_dict(self, [{} for _ in self.buckets])
+
+    def rank_state_dict(self) -> dict[str, Any]:
+        """This rank's shard as one record (what :func:`scape.save_checkpoint` writes)."""
         self.finish_param_sync()
         return sharded_state(self, [{} for _ in self.buckets])
 
     @load_state_dict_hooks
     def load_state_dict(self, state_dict: Any) -> None:  # type: ignore[override]
-        """Load this rank's ``state_dict()``, or a list of every old rank's (any world size)."""
+        """Load a :meth:`state_dict` (also as DCP filled it), this rank's
+        :meth:`rank_state_dict`, or a list of every old rank's (any world size)."""
         self.finish_param_sync()
-        load_sharded_state(self, state_dict)
+        if is_torch_state_dict(state_dict):
+            load_torch_state_dict(self, state_dict)
+        else:
+            load_sharded_state(self, state_dict)

@@ -5,7 +5,7 @@
     root/
       latest                            name of the last complete checkpoint (written last)
       step-00000120-3f9a0c1d/           step, then a token rank 0 draws for this save
-        rank-00000-of-00004.pt          torch.save of rank r's opt.state_dict()
+        rank-00000-of-00004.pt          torch.save of rank r's opt.rank_state_dict()
         ...
         manifest.json                   format, optimizer, step, world size, and per file its
                                         size in bytes and SHA-256 (written after every file)
@@ -122,7 +122,7 @@ def save_checkpoint(opt: Any, root: str | os.PathLike[str], *,
 
     record = torch.zeros(_RECORD, dtype=torch.uint8)
     try:
-        state = opt.state_dict()
+        state = opt.rank_state_dict()
         if extra is not None:
             state = dict(state, **{EXTRA: _extra_state(extra)})
         buf = io.BytesIO()

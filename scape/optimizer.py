@@ -33,6 +33,7 @@ from scape import config, rules
 from scape.buffers import DENSE_ALIGN, Bucket
 from scape.checkpoint import load_sharded_state, sharded_state
 from scape.comm import Communicator
+from scape.dcp import is_torch_state_dict, load_torch_state_dict, torch_state_dict
 from scape.kernels import adams_dense_, blockwise_topk, scatter_, take_
 from scape.optim_hooks import load_state_dict_hooks, state_dict_hooks
 from scape.profiling import phase
@@ -195,6 +196,12 @@ class SCAPE(ShardedOptimizer):
         each coordinate was last sent) and the rule's statistics by their names."""
         return {"exp_avg": shard.m, "master": shard.master, "age": shard.age, **shard.extra}
 
+    @property
+    def _rule_state_names(self) -> tuple[str, ...]:
+        """The rule's per-coordinate statistics: a state dict that lacks them (saved with
+        another rule) loads, and they start at zero."""
+        return tuple(rules.get(self.update).extra)
+
     def _observe(self, i: int) -> None:
         """Give the rule the owner's slice of its own buffer (before the take)."""
         assert self.rule is not None
@@ -313,37 +320,53 @@ class SCAPE(ShardedOptimizer):
             mask_state.next, mask_state.local = full, idx
 
     # ------------------------------------------------------------------ state
-    @state_dict_hooks
-    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
-        """This rank's shard: master weights, ``m``, ages, residual, masks, step, groups."""
+    def _mask_tensors(self) -> list[dict[str, torch.Tensor | None]]:
         self.finish_param_sync()
         for m in self.masks:
             if m is not None:
                 m.wait()
-        return sharded_state(self, extra_per_bucket=[
-            {"mask_next": None if m is None or m.next is None else m.next.clone(),
-             "mask_current": None if m is None or m.current is None else m.current.clone()}
-            for m in self.masks])
+        return [{"mask_next": None if m is None or m.next is None else m.next.clone(),
+                 "mask_current": None if m is None or m.current is None else m.current.clone()}
+                for m in self.masks]
+
+    @state_dict_hooks
+    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+        """torch.optim's shape (``state`` by parameter, ``param_groups``), each tensor holding
+        this rank's part (:mod:`scape.dcp`): what DCP's ``get_state_dict`` reads."""
+        return torch_state_dict(self, self._mask_tensors())
+
+    def rank_state_dict(self) -> dict[str, Any]:
+        """This rank's shard as one record (what :func:`scape.save_checkpoint` writes):
+        master weights, ``m``, ages, rule statistics, residual, masks, step, groups."""
+        return sharded_state(self, self._mask_tensors())
 
     @load_state_dict_hooks
     def load_state_dict(self, state_dict: Any) -> None:  # type: ignore[override]
-        """Load this rank's ``state_dict()``, or a list of every old rank's (any world size).
+        """Load a :meth:`state_dict` (also as DCP filled it, on any world size), this rank's
+        :meth:`rank_state_dict`, or a list of every old rank's (any world size).
 
-        A state saved with another rule loads too: the per-coordinate statistics this rule
-        keeps and the state lacks start at zero (as at construction), those it does not keep
-        are dropped. (:func:`scape.io.load_checkpoint` refuses such files instead.)"""
+        A :meth:`rank_state_dict` saved with another rule loads too: the per-coordinate
+        statistics this rule keeps and the state lacks start at zero (as at construction),
+        those it does not keep are dropped."""
         self.finish_param_sync()
-        extras = load_sharded_state(self, state_dict)
+        if is_torch_state_dict(state_dict):
+            extras = load_torch_state_dict(self, state_dict)
+        else:
+            extras = load_sharded_state(self, state_dict)
         for b, m, extra in zip(self.buckets, self.masks, extras):
             if m is None:
                 continue
             m.k, m.k_explore = block_budget(self.param_groups[b.group]["sparsity"],
                                             self.block_size, self.explore)
             m.work = None
-            m.next = _fit_mask(extra.get("mask_next"), m, self.block_size)
-            m.current = _fit_mask(extra.get("mask_current"), m, self.block_size)
+            m.next = _fit_mask(_on(extra.get("mask_next"), b.device), m, self.block_size)
+            m.current = _fit_mask(_on(extra.get("mask_current"), b.device), m, self.block_size)
             m.local = None if m.next is None else \
                 m.next[self.comm.rank * m.n_local:(self.comm.rank + 1) * m.n_local]
+
+
+def _on(t: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+    return None if t is None else t.to(device)
 
 
 def _fit_mask(mask: torch.Tensor | None, m: _MaskState,

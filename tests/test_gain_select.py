@@ -199,7 +199,7 @@ def _save_body(rank: int, world: int) -> bytes:
     p, opt, g, sign = _problem(0, "catchup_agree_trust4_accum", TorchCommunicator(), rank)
     _train(p, opt, g, sign, 8)
     buf = io.BytesIO()  # tensors cross the process boundary as bytes
-    torch.save(opt.state_dict(), buf)
+    torch.save(opt.rank_state_dict(), buf)
     return buf.getvalue()
 
 

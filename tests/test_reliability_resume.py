@@ -108,7 +108,7 @@ def _train_save(rank, world, load_from, save_to, first_step, steps):
     if load_from:
         assert scape.load_checkpoint(opt, load_from) == first_step - 1
     buf = io_bytes.BytesIO()  # tensors cross the process boundary as bytes
-    torch.save(opt.state_dict(), buf)
+    torch.save(opt.rank_state_dict(), buf)
     losses = [eval_loss(model)]
     for t in range(first_step, first_step + steps):
         train_step(model, opt, t, rank)

@@ -1,0 +1,364 @@
+"""``opt.state_dict()`` in torch.optim's shape, for ``torch.distributed.checkpoint`` (DCP).
+
+The sharded optimizers own coordinates, not parameters: rank r owns one contiguous slice of
+each flat buffer (:mod:`scape.buffers`). In this state dict every parameter gets torch.optim's
+entry ``state[param_id] = {name: tensor}``, and each tensor says which part of the whole it
+holds, so DCP writes every rank's part once and reads back whatever overlaps:
+
+==============================  ===========================================================
+``exp_avg``, ``master``, ...    the parameter's flattened coordinates (global size
+                                ``[numel]``, on any world size); this rank's part is the
+                                slice it owns (maybe empty). DCP reshards them.
+``residual``                    ``[W, numel]``: row r is rank r's gradient buffer over the
+                                parameter (gradient + error-feedback residual); each rank
+                                holds its own row.
+``param_groups[g]["scape"]``    plain values, the same on every rank: the step, counters,
+                                the world size, the block size and, per bucket, the masks
+                                (bytes, as they are replicated).
+==============================  ===========================================================
+
+With more than one rank the tensors are ``ShardedTensor`` s (DCP's type for arbitrary
+slices); on one rank they are plain tensors. Every value is a copy: DCP loads into the copies,
+and ``load_state_dict`` checks the whole layout before it writes anything.
+
+Loading onto another world size: the rows of ``residual`` follow the old world size, so
+DCP's default planner refuses them (size mismatch). :class:`ReshardPlanner` reads them whole
+instead; every new rank then starts from the mean of the old residuals, as
+:func:`scape.load_checkpoint` does.
+"""
+
+from __future__ import annotations
+
+import io
+import warnings
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+FORMAT = "scape.torch/1"
+KEY = "scape"
+"""The key of the optimizer-wide values in ``param_groups[0]``."""
+
+
+def _spans(b: Any) -> list[list[tuple[int, int]]]:
+    """Per parameter of bucket ``b``, per rank: the ``(lo, hi)`` of the parameter's flattened
+    coordinates that rank owns (``lo == hi``: none)."""
+    out = []
+    for o, n in zip(b.offsets, b.numels):
+        row = []
+        for r in range(b.world):
+            lo = min(max(r * b.shard_size - o, 0), n)
+            hi = min(max((r + 1) * b.shard_size - o, 0), n)
+            row.append((lo, hi))
+        out.append(row)
+    return out
+
+
+def _global_ranks(comm: Any) -> list[int]:
+    group = getattr(comm, "group", None)
+    if group is None or not dist.is_initialized():
+        return list(range(comm.world_size))
+    return [dist.get_global_rank(group, r) for r in range(comm.world_size)]
+
+
+def _sharded(local: torch.Tensor, offsets: list[list[int]], sizes: list[list[int]],
+             global_size: list[int], rank: int, ranks: list[int]) -> Any:
+    """A ``ShardedTensor`` of ``global_size`` whose rank-r part is at ``offsets[r]`` with
+    ``sizes[r]``; this rank's part is ``local``. Every rank has a part, maybe empty (at an
+    end of the range): DCP's load drops a ``ShardedTensor`` with no local part, and a key
+    missing on one rank makes it read the checkpoint in an older key format."""
+    from torch.distributed._shard.metadata import ShardMetadata
+    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+    from torch.distributed._shard.sharded_tensor.metadata import (
+        ShardedTensorMetadata,
+        TensorProperties,
+    )
+
+    device = str(local.device)
+    metas = [ShardMetadata(list(off), list(size), f"rank:{ranks[r]}/{device}")
+             for r, (off, size) in enumerate(zip(offsets, sizes))]
+    props = TensorProperties(dtype=local.dtype)
+    md = ShardedTensorMetadata(metas, torch.Size(global_size), props)
+    shards = [Shard(local, metas_r) for metas_r in metas
+              if metas_r.placement is not None and metas_r.placement.rank() == ranks[rank]]
+    with warnings.catch_warnings():  # torch marks ShardedTensor for replacement by DTensor,
+        warnings.simplefilter("ignore", FutureWarning)  # which cannot hold arbitrary slices
+        return ShardedTensor._init_from_local_shards_and_global_metadata(shards, md)
+
+
+def _pad_spans(b: Any) -> list[tuple[int, int]]:
+    """Per rank, the ``(lo, hi)`` of the bucket's padding ``[numel, n_pad)`` it owns,
+    counted from ``numel``."""
+    tail = []
+    for r in range(b.world):
+        lo = min(max(r * b.shard_size, b.numel), b.n_pad) - b.numel
+        hi = min(max((r + 1) * b.shard_size, b.numel), b.n_pad) - b.numel
+        tail.append((lo, hi))
+    return tail
+
+
+def _padding(b: Any, tensors: dict[str, torch.Tensor], rank: int, ranks: list[int]
+             ) -> dict[str, Any]:
+    """The shard state over the bucket's padding (the ages of padding coordinates steer the
+    masks of a block that holds both): kept with the bucket's last parameter, sized by the
+    world size, so it is restored on the same world size and zeroed on another."""
+    spans = _pad_spans(b)
+    lo, hi = spans[rank]
+    tail = b.n_pad - b.numel
+    out: dict[str, Any] = {}
+    for name, t in tensors.items():
+        start = b.numel - b.shard_start
+        local = t[max(start + lo, 0):max(start + hi, 0)].detach().clone()
+        out[name] = local if b.world == 1 else _sharded(
+            local, [[a] for a, _ in spans], [[c - a] for a, c in spans], [tail], rank, ranks)
+    return out
+
+
+def _to_bytes(t: torch.Tensor | None) -> bytes | None:
+    if t is None:
+        return None
+    buf = io.BytesIO()
+    torch.save(t.detach().cpu().clone(), buf)
+    return buf.getvalue()
+
+
+def _from_bytes(b: Any) -> torch.Tensor | None:
+    if b is None:
+        return None
+    if isinstance(b, torch.Tensor):
+        return b
+    return torch.load(io.BytesIO(b), weights_only=True)
+
+
+def torch_state_dict(opt: Any, bucket_extras: list[dict[str, torch.Tensor | None]]
+                     ) -> dict[str, Any]:
+    """The state dict of the module docstring (``bucket_extras``: per bucket, the replicated
+    tensors the subclass keeps, such as masks)."""
+    opt.check_usable()
+    comm = opt.comm
+    world, rank = comm.world_size, comm.rank
+    ranks = _global_ranks(comm) if world > 1 else [0]
+    pid: dict[Any, int] = {}
+    for g in opt.param_groups:
+        for p in g["params"]:
+            pid[p] = len(pid)
+    state: dict[int, dict[str, Any]] = {}
+    buckets = []
+    for b, s, extras in zip(opt.buckets, opt.shards, bucket_extras):
+        tensors = opt._state_tensors(s)
+        for p, o, n, spans in zip(b.params, b.offsets, b.numels, _spans(b)):
+            lo, hi = spans[rank]
+            entry: dict[str, Any] = {}
+            for name, t in tensors.items():
+                local = t[max(lo + o - b.shard_start, 0):max(hi + o - b.shard_start, 0)]
+                local = local.detach().clone()
+                if world == 1:
+                    entry[name] = local
+                else:
+                    entry[name] = _sharded(local, [[a] for a, _ in spans],
+                                           [[c - a] for a, c in spans], [n], rank, ranks)
+            if p is b.params[-1] and b.n_pad > b.numel:
+                entry["padding"] = _padding(b, tensors, rank, ranks)
+            own = b.grad_flat[o:o + n].detach().clone().view(1, n)
+            entry["residual"] = own if world == 1 else _sharded(
+                own, [[r, 0] for r in range(world)], [[1, n]] * world, [world, n], rank, ranks)
+            state[pid[p]] = entry
+        buckets.append({"group": b.group, "dtype": str(b.dtype), "numel": b.numel,
+                        "shapes": [list(p.shape) for p in b.params],
+                        **{k: _to_bytes(v) for k, v in extras.items()}})
+    groups = []
+    for g in opt.param_groups:
+        entry = {k: v for k, v in g.items() if k != "params"}
+        entry["params"] = [pid[p] for p in g["params"]]
+        groups.append(entry)
+    groups[0][KEY] = {"format": FORMAT, "optimizer": opt._name, "world_size": world,
+                      "step": opt._step, "block_size": opt.block_size,
+                      "counters": dict(opt._counters()), "buckets": buckets}
+    return {"state": state, "param_groups": groups}
+
+
+def is_torch_state_dict(sd: Any) -> bool:
+    return isinstance(sd, dict) and "state" in sd and "param_groups" in sd
+
+
+def _parts(t: Any) -> list[tuple[list[int], torch.Tensor]]:
+    """``(offsets, tensor)`` of what this rank holds of ``t`` (a plain tensor: all of it)."""
+    if isinstance(t, torch.Tensor) and not hasattr(t, "local_shards"):
+        return [([0] * t.dim(), t)]
+    return [(list(sh.metadata.shard_offsets), sh.tensor) for sh in t.local_shards()]
+
+
+def _size(t: Any) -> list[int]:
+    return list(t.size())
+
+
+def _optional(opt: Any) -> set[str]:
+    """State names a state dict may lack (the rule's statistics): they start at zero."""
+    return set(getattr(opt, "_rule_state_names", ()))
+
+
+def _check(opt: Any, sd: dict[str, Any]) -> dict[str, Any]:
+    """Raise ``ValueError`` if ``sd`` does not fit ``opt``; return its optimizer-wide values."""
+    groups = sd["param_groups"]
+    info = groups[0].get(KEY) if groups and isinstance(groups[0], dict) else None
+    if not isinstance(info, dict) or info.get("format") != FORMAT:
+        raise ValueError(f"not a {FORMAT} state dict: param_groups[0][{KEY!r}] is missing "
+                         "(a state dict of another optimizer?)")
+    if info["optimizer"] != opt._name:
+        raise ValueError(f"state dict is from {info['optimizer']}, not {opt._name}")
+    if len(groups) != len(opt.param_groups):
+        raise ValueError(f"state dict has {len(groups)} param groups, the optimizer has "
+                         f"{len(opt.param_groups)}")
+    if info["block_size"] != opt.block_size:
+        raise ValueError(f"state dict block_size {info['block_size']} != {opt.block_size}")
+    if len(info["buckets"]) != len(opt.buckets):
+        raise ValueError(f"state dict has {len(info['buckets'])} buckets (param group x dtype), "
+                         f"the optimizer has {len(opt.buckets)}")
+    for i, (e, b) in enumerate(zip(info["buckets"], opt.buckets)):
+        shapes = [list(p.shape) for p in b.params]
+        if (e["group"], e["dtype"], e["shapes"]) != (b.group, str(b.dtype), shapes):
+            raise ValueError(
+                f"bucket {i} differs: state dict has group {e['group']}, {e['dtype']}, "
+                f"parameters of shapes {e['shapes']}; the optimizer has group {b.group}, "
+                f"{b.dtype}, {shapes} (parameters in another order, or another model)")
+    for i, (saved, live) in enumerate(zip(groups, opt.param_groups)):
+        if len(saved["params"]) != len(live["params"]):
+            raise ValueError(f"param group {i}: state dict has {len(saved['params'])} "
+                             f"parameters, the optimizer has {len(live['params'])}")
+        if "sparsity" in live and (saved.get("sparsity", 0) > 0) != (live["sparsity"] > 0):
+            raise ValueError(f"param group {i}: saved sparsity {saved.get('sparsity')!r} does "
+                             f"not fit this optimizer's {live['sparsity']!r} (a sparse group "
+                             "stays sparse and a dense one dense)")
+    pids = [pid for g in groups for pid in g["params"]]
+    live_params = [p for g in opt.param_groups for p in g["params"]]
+    state = sd["state"]
+    owned = {id(p) for b in opt.buckets for p in b.params}
+    for pid, p in zip(pids, live_params):
+        if id(p) not in owned:
+            continue
+        entry = state.get(pid)
+        if not isinstance(entry, dict):
+            raise ValueError(f"state dict has no state for parameter {pid} (shape "
+                             f"{tuple(p.shape)})")
+        names = set(opt._state_tensors(opt.shards[0])) | {"residual"}
+        missing = names - set(entry) - _optional(opt)
+        if missing:
+            raise ValueError(f"parameter {pid}: state dict lacks {sorted(missing)} (saved by "
+                             "another update= rule or optimizer?)")
+        for name in names & set(entry) - {"residual"}:
+            if _size(entry[name]) != [p.numel()]:
+                raise ValueError(f"parameter {pid}: {name} has size {_size(entry[name])}, the "
+                                 f"parameter has shape {tuple(p.shape)}")
+        rs = _size(entry["residual"])
+        if len(rs) != 2 or rs[1] != p.numel() or rs[0] < 1:
+            raise ValueError(f"parameter {pid}: residual has size {rs}, expected [W, "
+                             f"{p.numel()}]")
+    return info
+
+
+def load_torch_state_dict(opt: Any, sd: dict[str, Any]
+                          ) -> list[dict[str, torch.Tensor | None]]:
+    """Load a state dict of :func:`torch_state_dict` (as saved, or filled by DCP); return per
+    bucket the replicated extras (masks) for the subclass. Checks everything first."""
+    info = _check(opt, sd)
+    world, rank = opt.comm.world_size, opt.comm.rank
+    old_world = info["world_size"]
+    pids = [pid for g in sd["param_groups"] for pid in g["params"]]
+    live_params = [p for g in opt.param_groups for p in g["params"]]
+    pid_of = {id(p): pid for pid, p in zip(pids, live_params)}
+    pending = []  # (destination, source) pairs, written only once all are read and checked
+    for b, s in zip(opt.buckets, opt.shards):
+        tensors = opt._state_tensors(s)
+        for p, o, n, spans in zip(b.params, b.offsets, b.numels, _spans(b)):
+            entry = sd["state"][pid_of[id(p)]]
+            lo, hi = spans[rank]
+            for name, t in tensors.items():
+                dest = t[max(lo + o - b.shard_start, 0):max(hi + o - b.shard_start, 0)]
+                if name not in entry:  # a statistic of this rule the saving one did not keep
+                    pending.append((dest, torch.zeros_like(dest)))
+                    continue
+                for off, part in _parts(entry[name]):
+                    part = part.reshape(-1)
+                    a, c = max(off[0], lo), min(off[0] + part.numel(), hi)
+                    if a < c:
+                        pending.append((dest[a - lo:c - lo], part[a - off[0]:c - off[0]]))
+            if p is b.params[-1] and b.n_pad > b.numel:
+                start = b.numel - b.shard_start
+                plo, phi = _pad_spans(b)[rank]
+                saved = entry.get("padding") if old_world == world else None
+                for name, t in tensors.items():
+                    dest = t[max(start + plo, 0):max(start + phi, 0)]
+                    if saved is None or name not in saved:
+                        pending.append((dest, torch.zeros_like(dest)))
+                        continue
+                    for off, part in _parts(saved[name]):
+                        a, c = max(off[0], plo), min(off[0] + part.numel(), phi)
+                        if a < c:
+                            pending.append((dest[a - plo:c - plo],
+                                            part.reshape(-1)[a - off[0]:c - off[0]]))
+            rows = entry["residual"]
+            dest = b.grad_flat[o:o + n]
+            if _size(rows)[0] == world == old_world:
+                own = [part[rank - off[0]] for off, part in _parts(rows)
+                       if off[0] <= rank < off[0] + part.shape[0]]
+                if len(own) != 1:
+                    raise ValueError(f"residual of parameter {pid_of[id(p)]}: this rank's row "
+                                     "is not in the state dict")
+                pending.append((dest, own[0]))
+            else:  # another world size: the mean of the old ranks' residuals, read whole
+                whole = [part for _, part in _parts(rows)]
+                if len(whole) != 1 or list(whole[0].shape) != [old_world, n]:
+                    raise ValueError(
+                        f"the state dict is from {old_world} ranks and this is {world}: load "
+                        "it with dcp.load(..., planner=scape.dcp.ReshardPlanner()) so every "
+                        "rank reads every old rank's residual")
+                pending.append((dest, whole[0].to(torch.float32).mean(0)))
+    for dest, src in pending:
+        dest.copy_(src)
+    opt._step = int(info["step"])
+    opt._load_counters(info["counters"])
+    for g, saved in zip(opt.param_groups, sd["param_groups"]):
+        for k, v in saved.items():
+            if k not in ("params", KEY):
+                g[k] = v
+    for b, s in zip(opt.buckets, opt.shards):  # the model from the master weights
+        opt.comm.all_gather(b.param_flat, s.master.to(b.dtype)).wait()
+    return [{k: _from_bytes(v) for k, v in e.items()
+             if k not in ("group", "dtype", "numel", "shapes") and v is not None}
+            for e in info["buckets"]]
+
+
+def _reshard_planner() -> Any:
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+    from torch.distributed.checkpoint._nested_dict import set_element
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    class ReshardPlanner(DefaultLoadPlanner):
+        """DCP's default load planner, except that what is sized by the world size (the
+        ``residual`` rows, the buckets' ``padding``) is read whole when it was saved on
+        another one, instead of refused; the optimizer's ``load_state_dict`` then gives every
+        rank the mean of the old residuals and zeroes the padding."""
+
+        def set_up_planner(self, state_dict: Any, metadata: Any = None,
+                           is_coordinator: bool = False) -> None:
+            super().set_up_planner(state_dict, metadata, is_coordinator)
+            for fqn, obj in list(self.state_dict.items()):
+                md = metadata.state_dict_metadata.get(fqn) if metadata is not None else None
+                w_sized = fqn.endswith(".residual") or ".padding." in fqn
+                if not w_sized or not isinstance(md, TensorStorageMetadata):
+                    continue
+                if list(md.size) == list(obj.size()):
+                    continue
+                whole = torch.empty(md.size, dtype=md.properties.dtype)
+                self.state_dict[fqn] = whole
+                if self.flatten_state_dict:
+                    set_element(self.original_state_dict, self.mappings[fqn], whole)
+
+    return ReshardPlanner
+
+
+def __getattr__(name: str) -> Any:  # ReshardPlanner imports DCP only when asked for
+    if name == "ReshardPlanner":
+        return _reshard_planner()
+    raise AttributeError(name)
