@@ -172,6 +172,7 @@ class LocalSGD(torch.optim.Optimizer):
                                "flat buffers are built once); build a new optimizer")
         super().add_param_group(param_group)
 
+    @torch.compiler.disable  # host-side counters and collectives: kept out of dynamo graphs
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         """One inner step; every ``sync_every``-th step also runs the outer sync."""
         if self._step == 0 and not getattr(self, "_wrap_checked", False):
