@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from scape.agreement import agree, digest
+
 FORMAT = "scape.sharded/1"
 _SHARD_TENSORS = ("master", "m", "age")
 
@@ -94,7 +96,21 @@ def _reshard(old_shards: list[torch.Tensor], b: Any) -> torch.Tensor:
 
 
 def load_sharded_state(opt: Any, state: Any) -> list[dict[str, Any]]:
-    """Load ``state`` into ``opt``; return the per-bucket extras (masks) for the subclass."""
+    """Load ``state`` into ``opt``; return the per-bucket extras (masks) for the subclass.
+    A state that does not fit raises on every rank (one all-gather) before anything loads."""
+    error: Exception | None = None
+    states: list[dict[str, Any]] = []
+    try:
+        states = _states_to_load(opt, state)
+    except (ValueError, TypeError, KeyError) as e:
+        error = e if not isinstance(e, KeyError) else ValueError(f"state dict lacks {e}")
+    agree(opt.comm, {"step": digest(states[0]["step"] if states else None)}, error,
+          what="load_state_dict")
+    return _load_states(opt, states)
+
+
+def _states_to_load(opt: Any, state: Any) -> list[dict[str, Any]]:
+    """The checked state dicts this rank loads from (its own, or every old rank's)."""
     world, rank = opt.comm.world_size, opt.comm.rank
     if isinstance(state, dict):
         _check_structure(opt, state)
@@ -119,7 +135,11 @@ def load_sharded_state(opt: Any, state: Any) -> list[dict[str, Any]]:
     else:
         raise TypeError("load_state_dict expects a state dict or a list of every rank's "
                         f"state dicts, got {type(state).__name__}")
+    return states
 
+
+def _load_states(opt: Any, states: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    world = opt.comm.world_size
     extras = []
     for i, (b, s) in enumerate(zip(opt.buckets, opt.shards)):
         entries = [sd["buckets"][i] for sd in states]

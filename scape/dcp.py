@@ -36,6 +36,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from scape.agreement import agree, digest
+
 FORMAT = "scape.torch/1"
 KEY = "scape"
 """The key of the optimizer-wide values in ``param_groups[0]``."""
@@ -261,6 +263,31 @@ def load_torch_state_dict(opt: Any, sd: dict[str, Any]
                           ) -> list[dict[str, torch.Tensor | None]]:
     """Load a state dict of :func:`torch_state_dict` (as saved, or filled by DCP); return per
     bucket the replicated extras (masks) for the subclass. Checks everything first."""
+    error: Exception | None = None
+    try:
+        info, pending = _read(opt, sd)
+    except (ValueError, TypeError, KeyError) as e:
+        error = e if not isinstance(e, KeyError) else ValueError(f"state dict lacks {e}")
+        info, pending = {}, []
+    # every rank learns whether any rank's state dict does not fit, before anything changes
+    agree(opt.comm, {"step": digest(info.get("step"))}, error, what="load_state_dict")
+    for dest, src in pending:
+        dest.copy_(src)
+    opt._step = int(info["step"])
+    opt._load_counters(info["counters"])
+    for g, saved in zip(opt.param_groups, sd["param_groups"]):
+        for k, v in saved.items():
+            if k not in ("params", KEY):
+                g[k] = v
+    for b, s in zip(opt.buckets, opt.shards):  # the model from the master weights
+        opt.comm.all_gather(b.param_flat, s.master.to(b.dtype)).wait()
+    return [{k: _from_bytes(v) for k, v in e.items()
+             if k not in ("group", "dtype", "numel", "shapes") and v is not None}
+            for e in info["buckets"]]
+
+
+def _read(opt: Any, sd: dict[str, Any]) -> tuple[dict[str, Any], list[tuple[Any, Any]]]:
+    """Check ``sd`` against ``opt``; return its optimizer-wide values and the copies to make."""
     info = _check(opt, sd)
     world, rank = opt.comm.world_size, opt.comm.rank
     old_world = info["world_size"]
@@ -314,19 +341,7 @@ def load_torch_state_dict(opt: Any, sd: dict[str, Any]
                         "it with dcp.load(..., planner=scape.dcp.ReshardPlanner()) so every "
                         "rank reads every old rank's residual")
                 pending.append((dest, whole[0].to(torch.float32).mean(0)))
-    for dest, src in pending:
-        dest.copy_(src)
-    opt._step = int(info["step"])
-    opt._load_counters(info["counters"])
-    for g, saved in zip(opt.param_groups, sd["param_groups"]):
-        for k, v in saved.items():
-            if k not in ("params", KEY):
-                g[k] = v
-    for b, s in zip(opt.buckets, opt.shards):  # the model from the master weights
-        opt.comm.all_gather(b.param_flat, s.master.to(b.dtype)).wait()
-    return [{k: _from_bytes(v) for k, v in e.items()
-             if k not in ("group", "dtype", "numel", "shapes") and v is not None}
-            for e in info["buckets"]]
+    return info, pending
 
 
 def _reshard_planner() -> Any:

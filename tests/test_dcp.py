@@ -216,3 +216,31 @@ def test_single_process_state_dict_round_trip():
     opt2 = make_opt(model2)
     opt2.load_state_dict(opt.state_dict())
     assert not differing(before, snapshot(opt2))
+
+
+def _one_rank_mismatched(rank, world, legacy):
+    model = make_model()
+    opt = make_opt(model)
+    for t in range(1, SAVE_AT + 1):
+        train_step(model, opt, t, rank)
+    sd = opt.rank_state_dict() if legacy else opt.state_dict()
+    if rank == 1:  # only this rank's state dict is of another layout
+        if legacy:
+            sd["buckets"][0]["shapes"] = [[1, 1]] + sd["buckets"][0]["shapes"][1:]
+        else:
+            info = sd["param_groups"][0]["scape"]
+            info["buckets"][0]["shapes"] = [[1, 1]] + info["buckets"][0]["shapes"][1:]
+    before = snapshot(opt)
+    try:
+        opt.load_state_dict(sd)
+    except ValueError as e:
+        assert not differing(before, snapshot(opt)), "state changed before the error"
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("legacy", [False, True], ids=["state_dict", "rank_state_dict"])
+def test_a_mismatch_on_one_rank_raises_on_every_rank(legacy):
+    msgs = run_ranks(_one_rank_mismatched, 2, legacy, timeout=120)
+    assert msgs[1] is not None and "shapes" in msgs[1]
+    assert msgs[0] is not None and msgs[0].startswith("rank 1:"), msgs
