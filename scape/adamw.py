@@ -103,3 +103,4 @@ class DistributedAdamW(ShardedOptimizer):
             load_torch_state_dict(self, state_dict)
         else:
             load_sharded_state(self, state_dict)
+        self._watch.reset()

@@ -65,6 +65,8 @@ class Bucket:
         self._param_views: list[torch.Tensor] = []
         self._hooks = []
         self._moved = False
+        self.folded_version = -1
+        """The buffer's version right after :meth:`fold_stray_grads` last added a gradient."""
         for p, o, n in zip(self.params, self.offsets, self.numels):
             view = self.param_flat[o:o + n].view_as(p)
             view.copy_(p.detach())
@@ -126,6 +128,7 @@ class Bucket:
                 continue
             g_view.add_(g.detach().to(torch.float32).view_as(g_view))
             p.grad = g_view if fp32 else None
+            self.folded_version = self.grad_flat._version  # a write of ours (grad_watch)
 
     def remove_hooks(self) -> None:
         for h in self._hooks:

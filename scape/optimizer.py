@@ -250,8 +250,10 @@ class SCAPE(ShardedOptimizer):
         with phase("scape/take", b.device):
             c = take_(b.grad_flat, mask, self.block_size, out_dtype=self.grad_comm_dtype)
             diag = self.diagnostics[i]
-            if self.error_feedback:
-                taken = c.float().square().sum()
+            taken = c.float().square().sum() \
+                if self.error_feedback or self.max_grad_norm is not None else None
+            self._sent_sumsq[i] = taken  # for the clipping norm (scape.sharded.clip_norm)
+            if taken is not None and self.error_feedback:
                 diag["residual_norm"] = (self._pre_sumsq[i] - taken).clamp(min=0).sqrt()
             else:
                 b.grad_flat.zero_()
@@ -353,6 +355,7 @@ class SCAPE(ShardedOptimizer):
             extras = load_torch_state_dict(self, state_dict)
         else:
             extras = load_sharded_state(self, state_dict)
+        self._watch.reset()  # the residuals were written: taken as seen
         for b, m, extra in zip(self.buckets, self.masks, extras):
             if m is None:
                 continue

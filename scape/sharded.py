@@ -26,12 +26,30 @@ from scape import config, faults
 from scape.agreement import agree, digest, tensor_digest
 from scape.buffers import Bucket
 from scape.comm import CommError, Communicator, as_communicator
+from scape.grad_watch import GradWatch
 from scape.kernels import grad_stats
 from scape.optim_hooks import refuse_copy
 from scape.param_state import param_state
 from scape.profiling import phase
 from scape.step_info import StepInfo
 from scape.wrappers import check_not_wrapped
+
+
+def clip_norm(stats: torch.Tensor, world: int) -> torch.Tensor:
+    """The gradient norm that clipping compares with ``max_grad_norm``, from the step's
+    all-reduced ``stats`` = [sum of squares of the synchronized gradient, non-finite count,
+    the part of the first on sparse buckets (A), the ranks' own sums of squares of what they
+    sent there (W * B), the ranks' fresh-gradient sums of squares there (W * F)].
+
+    On a dense bucket it is exact: the norm of the averaged gradient, as DDP + AdamW clips.
+    On a sparse bucket only the sent coordinates are averaged, and they carry the residual
+    too; the norm a dense step would see is estimated as ``rho * F``: the ranks' mean squared
+    norm of this step's own gradient (counted as backward produces it, without the residual)
+    times how much averaging shrank what was sent, ``rho = A / B`` in ``[1/W, 1]`` (1 when
+    the ranks' gradients agree, 1/W when they are independent noise)."""
+    a, b, f = stats[2], stats[3] / world, stats[4] / world
+    rho = torch.where(b > 0, a / b.clamp(min=1e-30), torch.ones_like(a)).clamp(1.0 / world, 1.0)
+    return ((stats[0] - a).clamp(min=0) + rho * f).sqrt()
 
 _GRAD_COMM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -102,6 +120,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 align = self._bucket_align(self.param_groups[gi])
                 self.buckets.append(Bucket(ps, gi, world, rank, align))  # type: ignore[arg-type]
         self.shards = [self._init_shard(b) for b in self.buckets]
+        self._watch = GradWatch(self.buckets, count_norms=max_grad_norm is not None)
+        self._sent_sumsq: list[torch.Tensor | None] = [None] * len(self.buckets)
+        self._norm_out: torch.Tensor | None = None
         self._owned = {id(p) for b in self.buckets for p in b.params}
         self._wrap_checked = False
         self.state = param_state(self.buckets, self.shards, self._state_tensors)
@@ -273,6 +294,22 @@ class ShardedOptimizer(torch.optim.Optimizer):
         would lose it. ``set_to_none`` is accepted for compatibility and ignored.
         """
 
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip from the next ``step()`` on by the dense-comparable gradient norm (as
+        ``max_grad_norm=``; call it on every rank, with the same value) and return a 0-dim
+        tensor that ``step()`` fills with this step's norm before clipping (read it after
+        ``step()``; ``opt.last_step.grad_norm`` holds it too). What the norm is on a sparse
+        step: :func:`clip_norm`. ``torch.nn.utils.clip_grad_norm_`` on the model's
+        parameters would scale the error-feedback residual, and ``step()`` refuses it."""
+        if norm_type != 2.0:
+            raise ValueError(f"Invalid norm_type: {norm_type!r} (only the 2-norm is supported)")
+        config.check_max_grad_norm(max_norm)
+        if not self._watch.count_norms:  # counted from the next backward on; this step
+            self._watch.count_norms, self._watch.counted = True, False  # uses the buffer
+        self.max_grad_norm = float(max_norm)
+        self._norm_out = torch.full((), float("nan"), device=self.buckets[0].device)
+        return self._norm_out
+
     def add_param_group(self, param_group: dict) -> None:
         if hasattr(self, "buckets"):
             raise RuntimeError(f"{self._name}: param groups are fixed at construction (the "
@@ -303,8 +340,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 loss = closure()
         self.finish_param_sync()
         if not self._wrap_checked:  # once: a DDP wrap would reduce the gradients again
-            check_not_wrapped([p for b in self.buckets for p in b.params], self._name)
+            if check_not_wrapped([p for b in self.buckets for p in b.params], self._name):
+                self._watch.enabled = False  # its reducer copies the (same) grads back
             self._wrap_checked = True
+        self._watch.check()
         self._step += 1
         set_step = getattr(self.comm, "set_step", None)
         if set_step is not None:
@@ -321,8 +360,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         for i in range(len(self.buckets)):
             self._observe(i)
 
-        # 1. local statistics of the whole buffers (this step's gradient + residual)
-        local = torch.zeros(2, dtype=torch.float32, device=device)
+        # 1. local statistics of the whole buffers (this step's gradient + residual); with
+        # clipping also [sent sum of squares (sparse), its local one, the fresh gradient's]
+        clip = self.max_grad_norm is not None
+        local = torch.zeros(5 if clip else 2, dtype=torch.float32, device=device)
         self._pre_sumsq = []
         for b in self.buckets:
             s = grad_stats(b.grad_flat)
@@ -347,7 +388,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 work.wait()
                 g = g.float() if g.dtype != torch.float32 else g
                 gs.append(g)
-                local[0] += grad_stats(g)[0]
+                sumsq = grad_stats(g)[0]
+                local[0] += sumsq
+                if clip and not dense_flags[i]:
+                    local[2] += sumsq
+                    sent = self._sent_sumsq[i]
+                    local[3] += 0.0 if sent is None else sent
+                    fresh = self._watch.fresh_sumsq(i)
+                    local[4] += self._pre_sumsq[i] if fresh is None else fresh
                 self.last_sync[i] = {"g": g.clone() if self.max_grad_norm else g,
                                      "mask": self._step_mask(i, dense_flags[i])}
         # 3. one scalar all-reduce: norm of the synchronized gradient + non-finite count
@@ -355,7 +403,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if fault is not None:
             fault.fire(self._step, "all_reduce", self)
         self.comm.all_reduce(local, op="sum").wait()
-        grad_norm = local[0].sqrt()
+        grad_norm = local[0].sqrt() if not clip else clip_norm(local, self.comm.world_size)
         skipped = bool(local[1] > 0)
         for b, dense in zip(self.buckets, dense_flags):
             if dense or skipped:
@@ -373,6 +421,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self._after_update(dense_flags)
         else:
             self._after_skip()
+        self._watch.reset()
+        if self._norm_out is not None:
+            self._norm_out.copy_(grad_norm)
+            self._norm_out = None
         if not self._attached:
             self.finish_param_sync()
         after = self.comm.stats

@@ -51,17 +51,22 @@ def skip_ddp_allreduce(ddp: Any) -> Any:
     return ddp
 
 
-def check_not_wrapped(params: list[torch.Tensor], name: str) -> None:
+def check_not_wrapped(params: list[torch.Tensor], name: str) -> bool:
     """Raise ``ValueError`` if a ``DistributedDataParallel`` module reduces any of ``params``
-    (not made safe by :func:`skip_ddp_allreduce`)."""
+    (not made safe by :func:`skip_ddp_allreduce`); return whether one made safe holds them."""
     from torch.nn.parallel import DistributedDataParallel
 
     owned = {id(p) for p in params}
+    skipped = False
     for obj in gc.get_objects():
         # type(), not isinstance(): some objects warn when their __class__ is read
-        if not issubclass(type(obj), DistributedDataParallel) or getattr(obj, SKIP_ATTR, False):
+        if not issubclass(type(obj), DistributedDataParallel):
             continue
-        if any(id(p) in owned for p in obj.module.parameters()):
+        holds = any(id(p) in owned for p in obj.module.parameters())
+        if getattr(obj, SKIP_ATTR, False):
+            skipped = skipped or holds
+            continue
+        if holds:
             raise ValueError(
                 f"{name}: the model is wrapped in DistributedDataParallel, which all-reduces "
                 "every gradient densely on top of the optimizer's own sparse traffic"
@@ -70,3 +75,4 @@ def check_not_wrapped(params: list[torch.Tensor], name: str) -> None:
                 + ". Remove the DDP wrap (the optimizer does the data-parallel communication),"
                 " or, where the trainer needs it, call scape.skip_ddp_allreduce(ddp_model) "
                 "(with gradient_as_bucket_view=False)")
+    return skipped
