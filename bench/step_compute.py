@@ -81,7 +81,7 @@ def time_steps(model_name: str, world: int, kinds: list[str], steps: int,
     for i in range(warm + steps):
         for k, (opt, _) in built.items():
             for b, g in zip(opt.buckets, grads[k]):  # type: ignore[attr-defined]
-                b.grad_flat.copy_(g)
+                b.write_grad_(g)
             sync()
             t0 = time.perf_counter()
             opt.step()
@@ -112,7 +112,7 @@ def _profile(built: dict, grads: dict, device: str, path: str) -> None:
             with torch.profiler.profile(activities=acts) as prof:
                 for _ in range(3):
                     for b, g in zip(opt.buckets, grads[k]):
-                        b.grad_flat.copy_(g)
+                        b.write_grad_(g)
                     opt.step()
                 if cuda:
                     torch.cuda.synchronize()

@@ -130,6 +130,13 @@ class Bucket:
             p.grad = g_view if fp32 else None
             self.folded_version = self.grad_flat._version  # a write of ours (grad_watch)
 
+    def write_grad_(self, values: torch.Tensor) -> None:
+        """Overwrite the whole gradient buffer (gradient and residual) with ``values``, for a
+        harness that feeds gradients without autograd; the optimizer takes it as written by
+        backward (an in-place write of ``p.grad`` otherwise raises in ``step()``)."""
+        self.grad_flat.copy_(values)
+        self.folded_version = self.grad_flat._version
+
     def remove_hooks(self) -> None:
         for h in self._hooks:
             h.remove()

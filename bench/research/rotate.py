@@ -66,22 +66,29 @@ class Rotated:
                                  f"the transform chunk {c}")
         self.params = list(params)
         self.shadows = [torch.nn.Parameter(self._fwd(p.detach())) for p in self.params]
+        self._pushed = [False] * len(self.shadows)  # a grad of ours is in the shadow
 
     def _fwd(self, x: torch.Tensor) -> torch.Tensor:
         return (x.reshape(-1, self.c) @ self.d.T).reshape(-1)
 
     def push_grads(self) -> None:
-        for p, s in zip(self.params, self.shadows):
+        """Hand ``D g`` to the optimizer as a new tensor in each shadow's ``grad`` (the
+        optimizer adds it into its buffer; an in-place add into its ``grad`` view would write
+        the residual outside backward, which it refuses); pushes before one step are summed
+        here."""
+        for i, (p, s) in enumerate(zip(self.params, self.shadows)):
             if p.grad is None:
                 continue
             g = self._fwd(p.grad)
-            if s.grad is None:
+            if not self._pushed[i]:
                 s.grad = g
+                self._pushed[i] = True
             else:
                 s.grad.add_(g)
             p.grad = None
 
     @torch.no_grad()
     def pull(self) -> None:
+        self._pushed = [False] * len(self.shadows)
         for p, s in zip(self.params, self.shadows):
             p.copy_((s.reshape(-1, self.c) @ self.d).reshape(p.shape))
