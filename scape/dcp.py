@@ -29,6 +29,7 @@ instead; every new rank then starts from the mean of the old residuals, as
 
 from __future__ import annotations
 
+import functools
 import io
 import warnings
 from typing import Any
@@ -86,7 +87,30 @@ def _sharded(local: torch.Tensor, offsets: list[list[int]], sizes: list[list[int
               if metas_r.placement is not None and metas_r.placement.rank() == ranks[rank]]
     with warnings.catch_warnings():  # torch marks ShardedTensor for replacement by DTensor,
         warnings.simplefilter("ignore", FutureWarning)  # which cannot hold arbitrary slices
-        return ShardedTensor._init_from_local_shards_and_global_metadata(shards, md)
+        st = ShardedTensor._init_from_local_shards_and_global_metadata(shards, md)
+    st.__class__ = _owned_slices(ShardedTensor)
+    return st
+
+
+@functools.cache
+def _owned_slices(base: type) -> type:
+    """``ShardedTensor`` whose ``.to("cpu:0")`` stays on the CPU: torch's own moves the
+    tensors to ``cpu`` but writes ``cpu:0`` into the placement, and then refuses it (the
+    Hugging Face Trainer's accelerate moves every optimizer state dict that way)."""
+
+    def plain(d: Any) -> Any:
+        if isinstance(d, (str, torch.device)) and torch.device(d).type == "cpu":
+            return torch.device("cpu")
+        return d
+
+    class OwnedSlices(base):  # type: ignore[misc, valid-type]
+        def to(self, *args: Any, **kwargs: Any) -> Any:
+            args = tuple(plain(a) for a in args)
+            if "device" in kwargs:
+                kwargs["device"] = plain(kwargs["device"])
+            return super().to(*args, **kwargs)
+
+    return OwnedSlices
 
 
 def _pad_spans(b: Any) -> list[tuple[int, int]]:

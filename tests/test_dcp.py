@@ -244,3 +244,26 @@ def test_a_mismatch_on_one_rank_raises_on_every_rank(legacy):
     msgs = run_ranks(_one_rank_mismatched, 2, legacy, timeout=120)
     assert msgs[1] is not None and "shapes" in msgs[1]
     assert msgs[0] is not None and msgs[0].startswith("rank 1:"), msgs
+
+
+def _move(obj, device):
+    """What accelerate does to an optimizer's state dict before loading it back."""
+    if isinstance(obj, dict):
+        return {k: _move(v, device) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_move(v, device) for v in obj)
+    return obj.to(device) if isinstance(obj, torch.Tensor) else obj
+
+
+def _moved_round_trip(rank, world):
+    model = make_model()
+    opt = make_opt(model)
+    for t in range(1, SAVE_AT + 1):
+        train_step(model, opt, t, rank)
+    before = snapshot(opt)
+    opt.load_state_dict(_move(opt.state_dict(), torch.device("cpu:0")))
+    return not differing(before, snapshot(opt))
+
+
+def test_state_dict_moved_to_its_own_device_loads_back():
+    assert all(run_ranks(_moved_round_trip, 2, timeout=120))
