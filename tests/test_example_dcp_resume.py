@@ -8,21 +8,22 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
+
+from test_examples import _launch
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "examples" / "dcp_resume.py"
 NUMEL = (32 * 128 + 128) + (128 * 128 + 128) + (128 * 8 + 8)  # the example's model
 
 
-def _torchrun(world: int, *args: str) -> None:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+def _torchrun(world: int, log: Path, *args: str) -> None:
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc-per-node={world}", str(SCRIPT), *args]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rc = _launch(cmd, ROOT, env, log)  # stops torchrun and its workers at the deadline
+    assert rc == 0, log.read_text()[-4000:]
 
 
 def _formula(world: int, block: int = 256, sparsity: float = 0.99) -> int:
@@ -33,8 +34,8 @@ def _formula(world: int, block: int = 256, sparsity: float = 0.99) -> int:
 
 def test_dcp_save_on_two_ranks_resume_on_three(tmp_path):
     ckpt, first, second = tmp_path / "ckpt", tmp_path / "a.json", tmp_path / "b.json"
-    _torchrun(2, "--ckpt", str(ckpt), "--stop-at", "30", "--out", str(first))
-    _torchrun(3, "--ckpt", str(ckpt), "--resume", "--out", str(second))
+    _torchrun(2, tmp_path / "a.log", "--ckpt", str(ckpt), "--stop-at", "30", "--out", str(first))
+    _torchrun(3, tmp_path / "b.log", "--ckpt", str(ckpt), "--resume", "--out", str(second))
     a, b = json.loads(first.read_text()), json.loads(second.read_text())
     assert (a["world"], b["world"], b["start"]) == (2, 3, 30)
     assert len(a["losses"]) == 30 and len(b["losses"]) == 30
