@@ -49,7 +49,9 @@ def _nonfinite_body(rank, world, update):
             owner = BAD_RANK if where == "own" else (BAD_RANK + 1) % world
             index = owner * b.shard_size + 37  # inside the real parameters, not padding
             assert index < b.numel
-            b.grad_flat[index] = float(kind)
+            values = b.grad_flat.clone()
+            values[index] = float(kind)
+            b.write_grad_(values)  # a direct write of p.grad would be refused
         opt.step()
         opt.zero_grad()
         after = snapshot(opt)
@@ -82,7 +84,9 @@ def _mask_hashes(opt, steps, fill):
     hashes, firsts = [], None
     for _ in range(steps):
         for b in opt.buckets:
-            b.grad_flat[: b.numel] = fill
+            values = b.grad_flat.clone()
+            values[: b.numel] = fill
+            b.write_grad_(values)
         opt.step()
         m = opt.masks[0]
         mask = m.wait()
