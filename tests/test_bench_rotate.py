@@ -65,15 +65,20 @@ def test_rotated_round_trip_and_grad_accumulation():
     grads = [torch.randn(p.shape, generator=g) for p in ps]
     residual = [torch.randn(s.shape, generator=g) for s in rot.shadows]
     for s, r in zip(rot.shadows, residual):
-        s.grad = r.clone()  # what error feedback left in the shadow's grad
+        s.grad = r.clone()  # the optimizer's view (gradient + residual): never written
+    views = [s.grad for s in rot.shadows]
     for p, gr in zip(ps, grads):
         p.grad = gr.clone()
     rot.push_grads()
+    for p, gr in zip(ps, grads):  # a second micro-batch before the step: summed here
+        p.grad = 2 * gr
+    rot.push_grads()
     d = transform_matrix("dct", 16)
-    for p, s, gr, r in zip(ps, rot.shadows, grads, residual):
+    for p, s, gr, r, view in zip(ps, rot.shadows, grads, residual, views):
         assert p.grad is None
-        expect = r + (gr.reshape(-1, 16) @ d.T).reshape(-1)
-        assert torch.allclose(s.grad, expect, atol=1e-5)
+        assert torch.equal(view, r), "the optimizer's buffer was written in place"
+        expect = 3 * (gr.reshape(-1, 16) @ d.T).reshape(-1)  # the optimizer adds it to r
+        assert s.grad is not view and torch.allclose(s.grad, expect, atol=1e-5)
     with pytest.raises(ValueError, match="not a multiple of the transform chunk 16"):
         Rotated([torch.nn.Parameter(torch.zeros(10))], "dct", 16)
 
