@@ -309,3 +309,10 @@ def test_a_planted_library_mention_is_found(tmp_path, text, why):
     bad = library_mentions(root)
     assert len(bad) == 1 and why in bad[0], bad
 
+
+
+@pytest.mark.parametrize("path, limit", [("README.md", 250), ("bench/README.md", 300)])
+def test_readmes_stay_short(path, limit):
+    """A training engineer reads the README in ten minutes; the rest lives in docs/."""
+    lines = (ROOT / path).read_text().splitlines()
+    assert len(lines) <= limit, f"{path} has {len(lines)} lines (at most {limit})"
