@@ -110,7 +110,23 @@ def _owned_slices(base: type) -> type:
                 kwargs["device"] = plain(kwargs["device"])
             return super().to(*args, **kwargs)
 
+        def __reduce_ex__(self, protocol: Any) -> Any:  # torch.save, pickle, deepcopy
+            parts = [(list(sh.metadata.shard_offsets), sh.tensor) for sh in self.local_shards()]
+            return SavedSlices, (parts, list(self.size()))
+
     return OwnedSlices
+
+
+class SavedSlices:
+    """A state-dict tensor after ``torch.save``/``torch.load`` (or ``copy.deepcopy``): the
+    parts the saving rank held, where they lie, and the global size. ``load_state_dict``
+    takes it on the rank that saved it (a rank's own file, as ``torch.save`` per rank)."""
+
+    def __init__(self, parts: list[tuple[list[int], torch.Tensor]], size: list[int]) -> None:
+        self.parts, self.global_size = parts, size
+
+    def size(self) -> torch.Size:
+        return torch.Size(self.global_size)
 
 
 def _pad_spans(b: Any) -> list[tuple[int, int]]:
@@ -210,6 +226,8 @@ def is_torch_state_dict(sd: Any) -> bool:
 
 def _parts(t: Any) -> list[tuple[list[int], torch.Tensor]]:
     """``(offsets, tensor)`` of what this rank holds of ``t`` (a plain tensor: all of it)."""
+    if isinstance(t, SavedSlices):
+        return t.parts
     if isinstance(t, torch.Tensor) and not hasattr(t, "local_shards"):
         return [([0] * t.dim(), t)]
     return [(list(sh.metadata.shard_offsets), sh.tensor) for sh in t.local_shards()]
@@ -354,8 +372,10 @@ def _read(opt: Any, sd: dict[str, Any]) -> tuple[dict[str, Any], list[tuple[Any,
                 own = [part[rank - off[0]] for off, part in _parts(rows)
                        if off[0] <= rank < off[0] + part.shape[0]]
                 if len(own) != 1:
-                    raise ValueError(f"residual of parameter {pid_of[id(p)]}: this rank's row "
-                                     "is not in the state dict")
+                    raise ValueError(
+                        f"residual of parameter {pid_of[id(p)]}: rank {rank}'s row is not in "
+                        "the state dict, which holds another rank's part (every rank saves and "
+                        "loads its own: torch.save per rank, DCP or scape.save_checkpoint)")
                 pending.append((dest, own[0]))
             else:  # another world size: the mean of the old ranks' residuals, read whole
                 whole = [part for _, part in _parts(rows)]

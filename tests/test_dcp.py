@@ -12,12 +12,15 @@
   and moments are the old ones, every rank's residual is the mean of the old residuals (as
   ``scape.load_checkpoint`` gives); the default planner refuses with a size mismatch.
 - A state dict of another layout raises ``ValueError`` on every rank before anything changes.
+- ``torch.save`` of ``state_dict()`` per rank loads back bitwise on that rank; one rank's file
+  loaded on every rank (the Hugging Face Trainer's ``optimizer.pt``) raises on every rank.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 from dist import run_ranks, run_ranks_outcomes
 from reliability_common import differing, make_model, make_opt, snapshot, train_step
 
@@ -267,3 +270,29 @@ def _moved_round_trip(rank, world):
 
 def test_state_dict_moved_to_its_own_device_loads_back():
     assert all(run_ranks(_moved_round_trip, 2, timeout=120))
+
+
+def _torch_save_load(rank, world, path, own):
+    model = make_model()
+    opt = make_opt(model)
+    for t in range(1, SAVE_AT + 1):
+        train_step(model, opt, t, rank)
+    before = snapshot(opt)
+    f = f"{path}.{rank}" if own else path  # own: every rank its file; else rank 0's for all
+    if own or rank == 0:
+        torch.save(opt.state_dict(), f)
+    dist.barrier()
+    try:
+        opt.load_state_dict(torch.load(f, weights_only=False))
+    except ValueError as e:
+        assert not differing(before, snapshot(opt)), "state changed before the error"
+        return str(e)
+    assert not differing(before, snapshot(opt)), "a rank's own file did not load back exactly"
+    return None
+
+
+def test_torch_save_per_rank_loads_back_and_another_ranks_file_raises_everywhere(tmp_path):
+    assert run_ranks(_torch_save_load, 2, str(tmp_path / "opt.pt"), True, timeout=120) == \
+        [None, None]
+    msgs = run_ranks(_torch_save_load, 2, str(tmp_path / "rank0.pt"), False, timeout=120)
+    assert all(m is not None and "another rank's part" in m for m in msgs), msgs
