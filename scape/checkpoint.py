@@ -16,12 +16,14 @@ all-gather, so every rank's model matches the optimizer state exactly.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar, cast
 
 import torch
 
 from scape.agreement import agree, digest
 
+T = TypeVar("T")
 FORMAT = "scape.sharded/1"
 _SHARD_TENSORS = ("master", "m", "age")
 
@@ -51,12 +53,20 @@ def _check_structure(opt: Any, sd: dict[str, Any]) -> None:
     if not isinstance(sd, dict) or sd.get("format") != FORMAT:
         raise ValueError(f"not a {FORMAT} state dict (got format "
                          f"{sd.get('format') if isinstance(sd, dict) else type(sd).__name__!r})")
-    if sd["optimizer"] != opt._name:
-        raise ValueError(f"state dict is from {sd['optimizer']}, not {opt._name}")
-    if len(sd["param_groups"]) != len(opt.param_groups):
-        raise ValueError(f"state dict has {len(sd['param_groups'])} param groups, the "
+    check_layout(opt, sd["optimizer"], sd["param_groups"], sd["block_size"], sd["buckets"])
+
+
+def check_layout(opt: Any, optimizer: str, groups: list[dict[str, Any]], block_size: int,
+                 buckets: list[dict[str, Any]]) -> None:
+    """Raise ``ValueError`` naming what differs if a saved state's optimizer, param groups,
+    buckets (group, dtype, size, parameter shapes) or block size do not fit ``opt``; both
+    state-dict forms (this module's and :mod:`scape.dcp`'s) are checked here."""
+    if optimizer != opt._name:
+        raise ValueError(f"state dict is from {optimizer}, not {opt._name}")
+    if len(groups) != len(opt.param_groups):
+        raise ValueError(f"state dict has {len(groups)} param groups, the "
                          f"optimizer has {len(opt.param_groups)}")
-    for i, (saved, live) in enumerate(zip(sd["param_groups"], opt.param_groups)):
+    for i, (saved, live) in enumerate(zip(groups, opt.param_groups)):
         if "sparsity" not in live:
             continue
         sp = saved.get("sparsity") if isinstance(saved, dict) else None
@@ -65,10 +75,10 @@ def _check_structure(opt: Any, sd: dict[str, Any]) -> None:
             raise ValueError(f"param group {i}: saved sparsity {sp!r} does not fit this "
                              f"optimizer's {live['sparsity']!r} (a sparse group stays sparse "
                              "and a dense one dense; the value itself is restored, like lr)")
-    if len(sd["buckets"]) != len(opt.buckets):
-        raise ValueError(f"state dict has {len(sd['buckets'])} buckets (param group x dtype), "
+    if len(buckets) != len(opt.buckets):
+        raise ValueError(f"state dict has {len(buckets)} buckets (param group x dtype), "
                          f"the optimizer has {len(opt.buckets)}")
-    for i, (e, b) in enumerate(zip(sd["buckets"], opt.buckets)):
+    for i, (e, b) in enumerate(zip(buckets, opt.buckets)):
         if (e["group"], e["dtype"], e["numel"]) != (b.group, str(b.dtype), b.numel):
             raise ValueError(
                 f"bucket {i} differs: state dict has group {e['group']}, {e['dtype']}, "
@@ -79,8 +89,38 @@ def _check_structure(opt: Any, sd: dict[str, Any]) -> None:
             raise ValueError(
                 f"bucket {i} differs: state dict has parameters of shapes {e['shapes']}, the "
                 f"optimizer has {shapes} (parameters in another order, or another model)")
-    if sd["block_size"] != opt.block_size:
-        raise ValueError(f"state dict block_size {sd['block_size']} != {opt.block_size}")
+    if block_size != opt.block_size:
+        raise ValueError(f"state dict block_size {block_size} != {opt.block_size}")
+
+
+def agree_to_load(opt: Any, read: Callable[[], T], step_of: Callable[[T], Any]) -> T:
+    """Run ``read()``, which checks a state and returns what to load without writing
+    anything, then agree with every rank (one all-gather): if it raised on any rank, or the
+    ranks load different steps (``step_of``), every rank raises before anything is written."""
+    error: Exception | None = None
+    result, step = None, None
+    try:
+        result = read()
+        step = step_of(result)
+    except (ValueError, TypeError, KeyError) as e:
+        error = e if not isinstance(e, KeyError) else ValueError(f"state dict lacks {e}")
+    agree(opt.comm, {"step": digest(step)}, error, what="load_state_dict")
+    return cast(T, result)
+
+
+def finish_load(opt: Any, step: int, counters: dict[str, Any],
+                groups: list[dict[str, Any]], skip: tuple[str, ...] = ("params",)) -> None:
+    """The step, counters and param-group values (``lr``, ``sparsity``, ... but ``skip``) of
+    a loaded state; then the model parameters from the loaded master weights (one all-gather
+    per bucket), so every rank's model matches the optimizer state exactly."""
+    opt._step = int(step)
+    opt._load_counters(counters)
+    for g, saved in zip(opt.param_groups, groups):
+        for k, v in saved.items():
+            if k not in skip:
+                g[k] = v
+    for b, s in zip(opt.buckets, opt.shards):
+        opt.comm.all_gather(b.param_flat, s.master.to(b.dtype)).wait()
 
 
 def _repad(full: torch.Tensor, numel: int, n_pad: int) -> torch.Tensor:
@@ -98,14 +138,7 @@ def _reshard(old_shards: list[torch.Tensor], b: Any) -> torch.Tensor:
 def load_sharded_state(opt: Any, state: Any) -> list[dict[str, Any]]:
     """Load ``state`` into ``opt``; return the per-bucket extras (masks) for the subclass.
     A state that does not fit raises on every rank (one all-gather) before anything loads."""
-    error: Exception | None = None
-    states: list[dict[str, Any]] = []
-    try:
-        states = _states_to_load(opt, state)
-    except (ValueError, TypeError, KeyError) as e:
-        error = e if not isinstance(e, KeyError) else ValueError(f"state dict lacks {e}")
-    agree(opt.comm, {"step": digest(states[0]["step"] if states else None)}, error,
-          what="load_state_dict")
+    states = agree_to_load(opt, lambda: _states_to_load(opt, state), lambda sds: sds[0]["step"])
     return _load_states(opt, states)
 
 
@@ -167,13 +200,5 @@ def _load_states(opt: Any, states: list[dict[str, Any]]) -> list[dict[str, Any]]
         extras.append({k: v.to(dev) for k, v in entries[0].items()
                        if k.startswith(("mask", "drift")) and v is not None})
 
-    opt._step = states[0]["step"]
-    opt._load_counters(states[0]["counters"])
-    for g, saved in zip(opt.param_groups, states[0]["param_groups"]):
-        for k, v in saved.items():
-            g[k] = v
-    # the model parameters are rebuilt from the master weights (one all-gather per bucket)
-    for b, s in zip(opt.buckets, opt.shards):
-        local = s.master.to(b.dtype)
-        opt.comm.all_gather(b.param_flat, local).wait()
+    finish_load(opt, states[0]["step"], states[0]["counters"], states[0]["param_groups"])
     return extras

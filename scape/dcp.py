@@ -37,7 +37,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from scape.agreement import agree, digest
+from scape.checkpoint import agree_to_load, check_layout, finish_load
 
 FORMAT = "scape.torch/1"
 KEY = "scape"
@@ -249,35 +249,17 @@ def _check(opt: Any, sd: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(info, dict) or info.get("format") != FORMAT:
         raise ValueError(f"not a {FORMAT} state dict: param_groups[0][{KEY!r}] is missing "
                          "(a state dict of another optimizer?)")
-    if info["optimizer"] != opt._name:
-        raise ValueError(f"state dict is from {info['optimizer']}, not {opt._name}")
-    if len(groups) != len(opt.param_groups):
-        raise ValueError(f"state dict has {len(groups)} param groups, the optimizer has "
-                         f"{len(opt.param_groups)}")
-    if info["block_size"] != opt.block_size:
-        raise ValueError(f"state dict block_size {info['block_size']} != {opt.block_size}")
-    if len(info["buckets"]) != len(opt.buckets):
-        raise ValueError(f"state dict has {len(info['buckets'])} buckets (param group x dtype), "
-                         f"the optimizer has {len(opt.buckets)}")
-    for i, (e, b) in enumerate(zip(info["buckets"], opt.buckets)):
-        shapes = [list(p.shape) for p in b.params]
-        if (e["group"], e["dtype"], e["shapes"]) != (b.group, str(b.dtype), shapes):
-            raise ValueError(
-                f"bucket {i} differs: state dict has group {e['group']}, {e['dtype']}, "
-                f"parameters of shapes {e['shapes']}; the optimizer has group {b.group}, "
-                f"{b.dtype}, {shapes} (parameters in another order, or another model)")
+    check_layout(opt, info["optimizer"], groups, info["block_size"], info["buckets"])
     for i, (saved, live) in enumerate(zip(groups, opt.param_groups)):
         if len(saved["params"]) != len(live["params"]):
             raise ValueError(f"param group {i}: state dict has {len(saved['params'])} "
                              f"parameters, the optimizer has {len(live['params'])}")
-        if "sparsity" in live and (saved.get("sparsity", 0) > 0) != (live["sparsity"] > 0):
-            raise ValueError(f"param group {i}: saved sparsity {saved.get('sparsity')!r} does "
-                             f"not fit this optimizer's {live['sparsity']!r} (a sparse group "
-                             "stays sparse and a dense one dense)")
     pids = [pid for g in groups for pid in g["params"]]
     live_params = [p for g in opt.param_groups for p in g["params"]]
     state = sd["state"]
     owned = {id(p) for b in opt.buckets for p in b.params}
+    names = set(opt._state_tensors(opt.shards[0])) | {"residual"}
+    optional = _optional(opt)
     for pid, p in zip(pids, live_params):
         if id(p) not in owned:
             continue
@@ -285,8 +267,7 @@ def _check(opt: Any, sd: dict[str, Any]) -> dict[str, Any]:
         if not isinstance(entry, dict):
             raise ValueError(f"state dict has no state for parameter {pid} (shape "
                              f"{tuple(p.shape)})")
-        names = set(opt._state_tensors(opt.shards[0])) | {"residual"}
-        missing = names - set(entry) - _optional(opt)
+        missing = names - set(entry) - optional
         if missing:
             raise ValueError(f"parameter {pid}: state dict lacks {sorted(missing)} (saved by "
                              "another update= rule or optimizer?)")
@@ -305,24 +286,10 @@ def load_torch_state_dict(opt: Any, sd: dict[str, Any]
                           ) -> list[dict[str, torch.Tensor | None]]:
     """Load a state dict of :func:`torch_state_dict` (as saved, or filled by DCP); return per
     bucket the replicated extras (masks) for the subclass. Checks everything first."""
-    error: Exception | None = None
-    try:
-        info, pending = _read(opt, sd)
-    except (ValueError, TypeError, KeyError) as e:
-        error = e if not isinstance(e, KeyError) else ValueError(f"state dict lacks {e}")
-        info, pending = {}, []
-    # every rank learns whether any rank's state dict does not fit, before anything changes
-    agree(opt.comm, {"step": digest(info.get("step"))}, error, what="load_state_dict")
+    info, pending = agree_to_load(opt, lambda: _read(opt, sd), lambda read: read[0]["step"])
     for dest, src in pending:
         dest.copy_(src)
-    opt._step = int(info["step"])
-    opt._load_counters(info["counters"])
-    for g, saved in zip(opt.param_groups, sd["param_groups"]):
-        for k, v in saved.items():
-            if k not in ("params", KEY):
-                g[k] = v
-    for b, s in zip(opt.buckets, opt.shards):  # the model from the master weights
-        opt.comm.all_gather(b.param_flat, s.master.to(b.dtype)).wait()
+    finish_load(opt, info["step"], info["counters"], sd["param_groups"], skip=("params", KEY))
     return [{k: _from_bytes(v) for k, v in e.items()
              if k not in ("group", "dtype", "numel", "shapes") and v is not None}
             for e in info["buckets"]]
