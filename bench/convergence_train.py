@@ -51,24 +51,24 @@ class Workload:
     """torch threads."""
 
 
+ONE_PROCESS_ROWS = (
+    ("ramp", "sparsity-ramp", "bench.runner has no sparsity schedule"),
+    ("trust_lr", "scheduled-bound", "bench.runner has no rule schedule"),
+    ("allot", "automatic-split", "bench.runner has no sparsity schedule"),
+    ("transform", "transform-domain", "bench.research.rotate is not wired into bench.runner"),
+)
+"""``(variant key, rows, why)``: the rows a run on more than one rank refuses."""
+
+
 def run_config(variant: dict[str, Any], w: Workload, world: int) -> RunConfig:
     """The same run as :func:`train` for :mod:`bench.runner` on ``world`` ranks (a local-step
     variant, ``optimizer`` in ``LOCAL_SGD``, is evaluated at multiples of its ``H``)."""
     if w.batch % world:
         raise ValueError(f"the global batch of {w.batch} sequences does not split over "
                          f"{world} ranks; pick a world size that divides it")
-    if variant.get("ramp") and world > 1:
-        raise ValueError(f"{variant['name']}: sparsity-ramp rows run in one process only "
-                         "(bench.runner has no sparsity schedule)")
-    if variant.get("trust_lr") and world > 1:
-        raise ValueError(f"{variant['name']}: scheduled-bound rows run in one process only "
-                         "(bench.runner has no rule schedule)")
-    if variant.get("allot") and world > 1:
-        raise ValueError(f"{variant['name']}: automatic-split rows run in one process only "
-                         "(bench.runner has no sparsity schedule)")
-    if variant.get("transform") and world > 1:
-        raise ValueError(f"{variant['name']}: transform-domain rows run in one process only "
-                         "(bench.research.rotate is not wired into bench.runner)")
+    for key, rows, why in ONE_PROCESS_ROWS:
+        if variant.get(key) and world > 1:
+            raise ValueError(f"{variant['name']}: {rows} rows run in one process only ({why})")
     kw = {k: v for k, v in variant.items() if k not in TRAINING_KEYS and k != "sparsity"}
     kind, sparsity, eval_every = variant.get("optimizer"), variant.get("sparsity", 0.0), \
         w.eval_every
