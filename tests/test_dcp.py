@@ -39,6 +39,15 @@ def _t(snap):
     return {k: torch.from_numpy(v) for k, v in snap.items()}
 
 
+def _trained(rank):
+    """The model and optimizer of ``rank`` after ``SAVE_AT`` steps (masks in flight)."""
+    model = make_model()
+    opt = make_opt(model)
+    for t in range(1, SAVE_AT + 1):
+        train_step(model, opt, t, rank)
+    return model, opt
+
+
 def _dcp():
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -48,10 +57,7 @@ def _dcp():
 
 def _save_run(rank, world, path, save):
     dcp, get_state_dict, _ = _dcp()
-    model = make_model()
-    opt = make_opt(model)
-    for t in range(1, SAVE_AT + 1):
-        train_step(model, opt, t, rank)
+    model, opt = _trained(rank)
     at_save = snapshot(opt)
     if save:
         msd, osd = get_state_dict(model, opt)
@@ -103,10 +109,7 @@ def test_dcp_round_trip_is_bit_exact_and_training_goes_on(tmp_path, world):
 
 def _checkpoint_parts(rank, world, path):
     dcp, get_state_dict, _ = _dcp()
-    model = make_model()
-    opt = make_opt(model)
-    for t in range(1, SAVE_AT + 1):
-        train_step(model, opt, t, rank)
+    model, opt = _trained(rank)
     _, osd = get_state_dict(model, opt)
     dcp.save({"optim": osd}, checkpoint_id=path)
     md = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
@@ -178,10 +181,7 @@ def test_dcp_default_planner_refuses_another_world_size(tmp_path):
 
 def _other_layout(rank, world):
     _, get_state_dict, set_state_dict = _dcp()
-    model = make_model()
-    opt = make_opt(model)
-    for t in range(1, SAVE_AT + 1):
-        train_step(model, opt, t, rank)
+    model, opt = _trained(rank)
     _, osd = get_state_dict(model, opt)
     before = snapshot(opt)
     bad = {"state": osd["state"], "param_groups": [dict(g) for g in osd["param_groups"]]}
@@ -203,10 +203,7 @@ def test_another_layout_raises_on_every_rank_before_loading():
 
 
 def test_single_process_state_dict_round_trip():
-    model = make_model()
-    opt = make_opt(model)
-    for t in range(1, SAVE_AT + 1):
-        train_step(model, opt, t, 0)
+    model, opt = _trained(0)
     sd = opt.state_dict()
     assert set(sd) == {"state", "param_groups"}
     p = next(model.parameters())
@@ -222,10 +219,7 @@ def test_single_process_state_dict_round_trip():
 
 
 def _one_rank_mismatched(rank, world, legacy):
-    model = make_model()
-    opt = make_opt(model)
-    for t in range(1, SAVE_AT + 1):
-        train_step(model, opt, t, rank)
+    model, opt = _trained(rank)
     sd = opt.rank_state_dict() if legacy else opt.state_dict()
     if rank == 1:  # only this rank's state dict is of another layout
         if legacy:
@@ -259,10 +253,7 @@ def _move(obj, device):
 
 
 def _moved_round_trip(rank, world):
-    model = make_model()
-    opt = make_opt(model)
-    for t in range(1, SAVE_AT + 1):
-        train_step(model, opt, t, rank)
+    model, opt = _trained(rank)
     before = snapshot(opt)
     opt.load_state_dict(_move(opt.state_dict(), torch.device("cpu:0")))
     return not differing(before, snapshot(opt))
@@ -273,10 +264,7 @@ def test_state_dict_moved_to_its_own_device_loads_back():
 
 
 def _torch_save_load(rank, world, path, own):
-    model = make_model()
-    opt = make_opt(model)
-    for t in range(1, SAVE_AT + 1):
-        train_step(model, opt, t, rank)
+    model, opt = _trained(rank)
     before = snapshot(opt)
     f = f"{path}.{rank}" if own else path  # own: every rank its file; else rank 0's for all
     if own or rank == 0:
