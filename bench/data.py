@@ -202,12 +202,12 @@ def val_positions(n_tokens: int, seq: int, n_seqs: int) -> np.ndarray:
 
 @torch.no_grad()
 def eval_loss(model: torch.nn.Module, tokens: torch.Tensor, seq: int, n_seqs: int = 64,
-              batch: int = 16) -> float:
+              batch: int = 16, device: str | torch.device = "cpu") -> float:
     """Mean next-byte cross-entropy (nats/byte) of ``model`` on the fixed validation windows.
 
     ``model`` must provide ``loss(x, y)`` (as :class:`bench.gpt.GPT` does). Every window has
     the same length, so the mean of per-batch means weighted by batch size is exact. The
-    model's train/eval mode is restored afterwards.
+    model's train/eval mode is restored afterwards; the windows are moved to ``device``.
     """
     _check_tokens(tokens, seq, "tokens")
     starts = val_positions(tokens.numel(), seq, n_seqs)
@@ -216,7 +216,7 @@ def eval_loss(model: torch.nn.Module, tokens: torch.Tensor, seq: int, n_seqs: in
     total = 0.0
     try:
         for i in range(0, len(starts), batch):
-            x, y = _windows(tokens, starts[i:i + batch], seq)
+            x, y = (t.to(device) for t in _windows(tokens, starts[i:i + batch], seq))
             total += float(model.loss(x, y)) * len(x)  # type: ignore[operator]
     finally:
         model.train(was_training)

@@ -77,6 +77,8 @@ class RunConfig:
     """Write a torch.profiler trace per rank here (steps 3..5 after the warm-up)."""
     name: str | None = None
     """Label in reports (None: derived from the optimizer and sparsity)."""
+    device: str = "cpu"
+    """``"cpu"`` (gloo) or ``"cuda"`` (rank r on GPU r, NCCL; the Triton kernels run)."""
 
     def __post_init__(self) -> None:
         if self.optimizer not in OPTIMIZERS:
@@ -123,6 +125,8 @@ class RunConfig:
                              f"got {self.timing_skip!r}")
         if not self.timeout_s > 0:
             raise ValueError(f"RunConfig.timeout_s must be > 0, got {self.timeout_s!r}")
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"RunConfig.device must be 'cpu' or 'cuda', got {self.device!r}")
         if self.model not in PRESETS:
             raise ValueError(f"RunConfig.model must be one of {sorted(PRESETS)}, "
                              f"got {self.model!r}")

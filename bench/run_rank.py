@@ -26,9 +26,10 @@ from bench.run_config import RunConfig, lr_at
 from scape.comm import TorchCommunicator
 
 
-def _build(cfg: RunConfig, rank: int, world: int) -> tuple[Any, Any, Any, torch.nn.Module]:
+def _build(cfg: RunConfig, rank: int, world: int, device: torch.device
+           ) -> tuple[Any, Any, Any, torch.nn.Module]:
     """``(model_to_call, optimizer, counter, module)``: counter has ``stats`` and ``wait_s``."""
-    module = GPT(get_config(cfg.model), seed=cfg.seed)
+    module = GPT(get_config(cfg.model), seed=cfg.seed).to(device)
     groups = param_groups(module, cfg.weight_decay, cfg.group_sparsity)
     for g in groups:
         g.pop("name", None)
@@ -37,7 +38,7 @@ def _build(cfg: RunConfig, rank: int, world: int) -> tuple[Any, Any, Any, torch.
                 kwargs=dict(cfg.optimizer_kwargs))
     if entry.comm == "ddp":
         counter = DDPCounter(world)
-        ddp = DDP(module)
+        ddp = DDP(module, device_ids=None if device.type == "cpu" else [device.index])
         ddp.register_comm_hook(None, counter.hook)
         return ddp, build(cfg.optimizer, groups, spec), counter, module
     inner = NullCommunicator(world, rank) if entry.comm == "null" \
@@ -56,7 +57,11 @@ def rank_main(rank: int, world: int, cfg_dict: dict[str, Any], init_file: str,
     try:
         cfg = RunConfig.from_dict(cfg_dict)
         torch.set_num_threads(cfg.threads or max(1, (os.cpu_count() or 1) // world))
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+        backend = "gloo"
+        if cfg.device == "cuda":  # rank r on GPU r (bench.compare checks there are enough)
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+            backend = "nccl"
+        dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank,
                                 world_size=world,
                                 timeout=datetime.timedelta(seconds=cfg.timeout_s))
         q.put(("result", rank, _train(cfg, rank, world)))
@@ -75,7 +80,9 @@ def rank_main(rank: int, world: int, cfg_dict: dict[str, Any], init_file: str,
 
 def _train(cfg: RunConfig, rank: int, world: int) -> dict[str, Any]:
     corpus = load_corpus(cfg.data)
-    model, opt, counter, module = _build(cfg, rank, world)
+    device = torch.device("cuda", torch.cuda.current_device()) if cfg.device == "cuda" \
+        else torch.device("cpu")
+    model, opt, counter, module = _build(cfg, rank, world, device)
     seq, global_batch = cfg.seq_len, cfg.batch * world
     prof, prof_steps = None, range(cfg.skip + 1, min(cfg.steps, cfg.skip + 4) + 1)
     records: list[dict[str, Any]] = []
@@ -93,14 +100,15 @@ def _train(cfg: RunConfig, rank: int, world: int) -> dict[str, Any]:
             # the ranks compete for the cores the same way; without this the floor's ranks
             # drift apart and a lone rank runs faster than any synchronized one could.
             dist.barrier()
-        batches = [batch_at(corpus.train, step * cfg.grad_accum + micro, global_batch, seq,
-                            cfg.seed, rank, world) for micro in range(cfg.grad_accum)]
+        batches = [tuple(t.to(device) for t in batch_at(
+            corpus.train, step * cfg.grad_accum + micro, global_batch, seq, cfg.seed, rank,
+            world)) for micro in range(cfg.grad_accum)]
         for g in opt.param_groups:
             g["lr"] = lr_at(step, cfg)
         bytes_before = {op: int(v["bytes"]) for op, v in counter.stats.items()}
         wait_before = counter.wait_s
         t0 = time.perf_counter()
-        loss_sum = torch.zeros(())
+        loss_sum = torch.zeros((), device=device)
         for micro, (x, y) in enumerate(batches):
             last = micro == cfg.grad_accum - 1
             ctx = model.no_sync() if (ddp and not last) else _null()
@@ -110,6 +118,8 @@ def _train(cfg: RunConfig, rank: int, world: int) -> dict[str, Any]:
             loss_sum += loss.detach()
         opt.step()
         opt.zero_grad()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # the step's kernels are in the time
         step_s = time.perf_counter() - t0
         wait_s = counter.wait_s - wait_before
         sent = {op: int(v["bytes"]) - bytes_before.get(op, 0)
@@ -130,7 +140,7 @@ def _train(cfg: RunConfig, rank: int, world: int) -> dict[str, Any]:
                 opt.finish_param_sync()
             if rank == 0:
                 val_curve.append((done, eval_loss(module, corpus.val, seq,
-                                                  n_seqs=cfg.eval_seqs)))
+                                                  n_seqs=cfg.eval_seqs, device=device)))
             dist.barrier()
         if rank == 0 and cfg.log_every and (done % cfg.log_every == 0 or done == cfg.steps):
             val = f" val {val_curve[-1][1]:.4f}" if val_curve and val_curve[-1][0] == done \
@@ -153,7 +163,9 @@ def _train(cfg: RunConfig, rank: int, world: int) -> dict[str, Any]:
         opt.finish_param_sync()
     return {"records": records, "val_curve": val_curve, "params": num_params(module),
             "wall_s": time.perf_counter() - started, "phases": phases,
-            "optimizer_settings": settings, "param_sha256": param_digest(module)}
+            "optimizer_settings": settings, "param_sha256": param_digest(module),
+            "n_pad": sum(b.n_pad for b in getattr(opt, "buckets", ())) or None,
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
 
 
 def param_digest(module: torch.nn.Module) -> str:

@@ -159,6 +159,8 @@ def summarize(cfg: RunConfig, ranks: list[dict[str, Any]], wall_s: float) -> dic
         "bytes_per_step_mean_all_steps": sum(bytes_mean.values()),
         "dense_steps": sum(1 for r in r0["records"] if r["dense"]),
         "phases": r0["phases"],
+        "n_pad": r0.get("n_pad"),
+        "device": r0.get("device", "cpu"),
         "wall_s": wall_s,
         "train_wall_s": max(rk["wall_s"] for rk in ranks),
     }
