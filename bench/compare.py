@@ -1,65 +1,71 @@
-"""The main job: every optimizer side by side on the same workload, behind a shaped link.
+"""The main job: every optimizer side by side on one workload, in two legs.
 
-Trains the bundled byte-level GPT (:mod:`bench.gpt`) on the interpreter's standard library
-(:mod:`bench.data`) once per optimizer, on W ranks (gloo), with the same seed, data order,
-token budget and LR schedule (:mod:`bench.runner`):
+**Quality leg** (the unshaped loopback): the bundled byte-level GPT (:mod:`bench.gpt`) on the
+interpreter's standard library (:mod:`bench.data`), trained once per optimizer on W gloo
+ranks with the same seed, data order, token budget and LR schedule (:mod:`bench.runner`) for
+600 steps, long enough that dense AdamS is well below the unigram plateau (~3.2 nats/byte),
+at dense AdamS's tuned learning rate (:data:`TUNED_LR`). Reports final validation loss and
+its ratio to dense sharded AdamS, and the curves.
+
+**Speed leg** (the loopback shaped to ``--bandwidth``, 100 Mbit/s by default, where root and
+``tc`` are present; :mod:`bench.netns`): a short run of each optimizer and of the
+compute-only floor, the same model and batch. Reports the median step, its ratio to
+compute-only, the speed-up over dense sharded AdamS, and bytes per step per rank against
+the DESIGN formula (:func:`bench.compare_report.formula_bytes`). The shaped link's delivered
+rate is measured before the leg and stored.
 
 =======================  ====================================================================
-``adamw_ddp``            torch.optim.AdamW + DistributedDataParallel (the standard)
-``dist_adamw``           scape.DistributedAdamW (dense ZeRO-1 AdamW)
 ``adams``                dense sharded AdamS (scape.SCAPE, sparsity 0) -- the reference row
-``scape-0.9``            SCAPE at 90% sparsity
-``scape-0.99``           SCAPE at 99% sparsity
-``scape-0.99-embed0.9``  the same, the embedding matrices (the tied head) at 90%
+``adamw_ddp``            torch.optim.AdamW + DistributedDataParallel (the standard)
+``scape-0.9``            SCAPE at 90% sparsity, the library's defaults
+``scape-0.99``           SCAPE at 99% sparsity, the library's defaults (the headline row)
 ``topk-0.99``            raw-gradient top-k with error feedback (:mod:`bench.topk_baseline`)
-``compute_only``         SCAPE-0.99's per-rank work with no collectives (the step-time floor)
+``compute_only``         SCAPE-0.99's per-rank work with no collectives (speed leg only)
 =======================  ====================================================================
 
-A ``scape`` or ``compute_only`` name may end in ``-embed<sparsity>`` (e.g.
-``scape-0.99-embed0.9``): the embedding matrices, the tied head among them, then form their own
-param group at that sparsity (the quality research's finding; docs/research.md), with the rule
-of the research's split rows (``catchup_agree_trust2_accum``, registered by
-:mod:`bench.research.rules`). Without it a ``scape`` row runs the library's defaults
-(``update="auto"``: the masks by fresh gain), its two sparse groups (``decay``, ``no_decay``)
-each at the row's sparsity.
+Also accepted by ``--optimizers``: ``dist_adamw`` (scape.DistributedAdamW), any
+``scape-<s>`` or ``topk-<s>``, ``scape-<s>-embed<e>`` (the embedding matrices, the tied
+head, in their own param group at ``e``, with the research's split rule
+``catchup_agree_trust2_accum``, registered by :mod:`bench.research.rules`), and the
+local-step rows ``sparseloco-h<H>-d<density>[-b<bits>]`` and ``diloco-h<H>``
+(:mod:`bench.local_sgd_opts`; their bytes per step are the mean over all steps, and a
+``steps`` that ``H`` does not divide prints a warning).
 
-Opt-in local-step rows (:mod:`bench.local_sgd_opts`, AdamW inner optimizer at the same lr):
-``sparseloco-h<H>-d<density>[-b<bits>]`` (``scape.SparseLoCo``, 2-bit values unless ``-b``
-says otherwise) and ``diloco-h<H>`` (``scape.DiLoCo``). They communicate only every ``H``
-steps, so their bytes per step are the mean over all steps (a sync's bytes / H), not the
-per-step median; the table marks them. When ``steps`` is not a multiple of ``H`` a warning is
-printed and stored in the report: the final loss is then not taken right after a sync.
+Each run is ``python -m bench.runner`` in a subprocess (:mod:`bench.compare_exec`), one
+progress line with an ETA covers the plan. It prints the headline first: SCAPE-0.99's loss
+ratio, bytes ratio and speed-up in one line. Outputs in ``--out`` (default ``out/``):
+``report.json`` (schema ``scape.compare/2``, bench/README.md), ``report.md``, ``loss.png``,
+``bytes.png``, ``steps.png`` and ``runs/LEG/NAME.json``. On a machine with a CUDA GPU per rank
+(``--device auto``, the default, or ``cuda``) both legs run on the GPUs with NCCL and the
+Triton kernels; without, they run on the CPU and say so.
 
-Each run is ``python -m bench.runner`` in a subprocess; with ``--bandwidth RATE`` that
-subprocess and its ranks run inside a fresh network namespace whose loopback is shaped to RATE
-(:mod:`bench.netns`; default 100mbit where root and tc are available, else the plain loopback
-with a printed note). Outputs in ``--out`` (default ``out/``): ``report.json`` (schema in
-bench/README.md), ``report.md``, ``loss.png``, ``bytes.png`` and ``runs/NAME.json``.
-
-    python -m bench.compare                      # the defaults (about 10 minutes on 2 cores)
-    python -m bench.compare --smoke              # tiny model, W=2, a few steps, no shaping
-    python -m bench.compare --optimizers adams scape-0.99 compute_only --steps 40
-    python -m bench.compare --optimizers adams scape-0.99 sparseloco-h8-d0.01 diloco-h8
+    python -m bench.compare                      # both legs (about 13 minutes on 2 cores)
+    python -m bench.compare --quick              # tiny model, W=2, both legs in under 2 min
+    python -m bench.compare --leg speed --bandwidth 1gbit
+    python -m bench.compare --optimizers adams scape-0.99 compute_only --steps 1000
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import dataclasses
 import datetime
 import json
 import os
-import platform
-import queue
-import re
-import subprocess
 import sys
-import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
+from bench.compare_exec import Planned, Tracker, run_one
+from bench.compare_report import (
+    SCHEMA,
+    environment,
+    evaluate_targets,
+    headline,
+    quality_table,
+    render_markdown,
+    speed_table,
+    verify_link,
+)
 from bench.gpt import check_group_sparsity
 from bench.local_sgd_opts import (
     NAME_FORMS,
@@ -69,35 +75,33 @@ from bench.local_sgd_opts import (
     sync_warning,
 )
 from bench.optimizers import OPTIMIZERS
-from bench.report import fmt, markdown_table, plot_bytes, plot_loss
+from bench.report import plot_bytes, plot_loss, plot_steps
 from bench.runner import RunConfig
 
-SCHEMA = "scape.compare/1"
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DEFAULT_OPTIMIZERS = ("adamw_ddp", "dist_adamw", "adams", "scape-0.9", "scape-0.99",
-                      "scape-0.99-embed0.9", "topk-0.99", "compute_only")
+__all__ = ["SCHEMA", "make_configs", "parse_name", "embed_sparsity", "main", "run_one"]
+
+DEFAULT_OPTIMIZERS = ("adams", "adamw_ddp", "scape-0.9", "scape-0.99", "topk-0.99",
+                      "compute_only")
 DEFAULT_BANDWIDTH = "100mbit"
 COMPUTE_ONLY_SPARSITY = 0.99
 """compute_only runs the per-rank work of SCAPE at this sparsity (the 1.15x target's floor)."""
+TUNED_LR = 3e-4
+"""Dense sharded AdamS's best peak learning rate on the quality leg's workload, of 1e-4, 3e-4
+and 1e-3 at 600 steps (bench/results/compare_lr_sweep.json; docs/benchmarks.md)."""
 
-DEFAULTS = dict(model="small", world=4, steps=40, batch=4, seq=128, lr=3e-3, warmup_steps=10,
-                eval_every=10, eval_seqs=64)
-"""The default workload, sized so the eight runs fit about 10 minutes on 2 shared cores at
-100 Mbit/s: a dense step there takes ~2.4 s (6.7 MB per rank through one shaped loopback), so
-the three dense runs and the dense warm-ups dominate; SCAPE's warm-up is 10 steps here instead
-of the library's 20 for the same reason (bench/README.md has the measured times)."""
-SMOKE = dict(model="tiny", world=2, steps=6, batch=2, seq=64, lr=3e-3, warmup_steps=2,
-             eval_every=3, eval_seqs=4)
-
-TARGETS = (
-    ("scape-0.99 step time / compute_only", "<=", 1.15),
-    ("adams step time / scape-0.99 step time", ">=", 3.0),
-    ("scape-0.99 bytes / adams bytes", "<=", 1 / 50),
-    ("scape-0.9 val loss / adams val loss", "<=", 1.01),
-    ("scape-0.99 val loss / adams val loss", "<=", 1.03),
-    ("scape-0.99 val loss / topk-0.99 val loss", "<", 1.0),
-)
-"""The project's targets, evaluated on the measured results (reported, never tuned for)."""
+QUALITY = dict(model="small", world=4, steps=600, batch=4, seq=128, lr=TUNED_LR,
+               warmup_steps=None, eval_every=100, eval_seqs=128)
+"""The quality leg: ``warmup_steps=None`` keeps the library's default dense warm-up (20)."""
+SPEED = dict(model="small", world=4, steps=16, batch=4, seq=128, lr=TUNED_LR, warmup_steps=2,
+             eval_every=16, eval_seqs=8)
+"""The speed leg: 2 dense warm-up steps (they only build SCAPE's first moment; a sparse
+step's cost does not depend on their number), 2 more, then the median of 12 steps."""
+QUICK_QUALITY = dict(model="tiny", world=2, steps=30, batch=2, seq=64, lr=3e-3, warmup_steps=5,
+                     eval_every=10, eval_seqs=4)
+QUICK_SPEED = dict(model="tiny", world=2, steps=8, batch=2, seq=64, lr=3e-3, warmup_steps=2,
+                   eval_every=8, eval_seqs=4)
+GUESS_STEP_S = {"tiny": 0.03, "small": 0.2}
+"""Seconds per step on 2 cores before any is measured (the ETA's first estimate)."""
 
 
 def parse_name(name: str) -> tuple[str, float]:
@@ -145,13 +149,17 @@ def embed_sparsity(name: str) -> float | None:
 
 
 def make_configs(names: list[str], w: dict[str, Any], data: str | None, profile_dir: str | None,
-                 timeout_s: float) -> list[RunConfig]:
-    """One RunConfig per optimizer name, sharing the workload ``w`` and the timing window."""
-    skip = min(w["steps"] - 1, w["warmup_steps"] + 2)
+                 timeout_s: float, device: str = "cpu") -> list[RunConfig]:
+    """One RunConfig per optimizer name, sharing the workload ``w`` and the timing window.
+    ``w["warmup_steps"]`` is the sparse rows' dense warm-up (None: the library's default)."""
+    warmup = w.get("warmup_steps")
+    skip = min(w["steps"] - 1, (20 if warmup is None else warmup) + 2)
     cfgs = []
     for name in names:
         opt, sp = parse_name(name)
-        kwargs = {"warmup_steps": w["warmup_steps"]} if OPTIMIZERS[opt].sparse else {}
+        kwargs: dict[str, Any] = {}
+        if OPTIMIZERS[opt].sparse and warmup is not None:
+            kwargs["warmup_steps"] = warmup
         if is_local_name(name):
             kwargs = parse_local_name(name)[1]
         emb = embed_sparsity(name)
@@ -163,74 +171,9 @@ def make_configs(names: list[str], w: dict[str, Any], data: str | None, profile_
             model=w["model"], world=w["world"], steps=w["steps"], batch=w["batch"],
             seq=w["seq"], lr=w["lr"], eval_every=w["eval_every"], eval_seqs=w["eval_seqs"],
             data=data, timing_skip=skip, log_every=1, timeout_s=timeout_s, name=name,
+            device=device,
             profile_dir=None if profile_dir is None else os.path.join(profile_dir, name)))
     return cfgs
-
-
-@contextlib.contextmanager
-def _launcher(cmd: list[str], bandwidth: str | None) -> Iterator[list[str]]:
-    if bandwidth is None:
-        yield cmd
-    else:
-        from bench.netns import shaped_command
-
-        with shaped_command(cmd, bandwidth) as wrapped:
-            yield wrapped
-
-
-_PROGRESS = re.compile(r"step (\d+)/(\d+)")
-
-
-def run_one(cfg: RunConfig, out_path: str, bandwidth: str | None, progress: Any = None,
-            task: Any = None) -> dict[str, Any]:
-    """Run ``cfg`` through ``python -m bench.runner`` (in a shaped namespace if asked)."""
-    cmd = [sys.executable, "-m", "bench.runner", "--config",
-           json.dumps(dataclasses.asdict(cfg)), "--out", out_path]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [ROOT] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
-    tail: list[str] = []
-    with _launcher(cmd, bandwidth) as argv:
-        proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True)
-        lines: queue.Queue[str | None] = queue.Queue()
-
-        def pump() -> None:
-            assert proc.stdout is not None
-            for line in proc.stdout:
-                lines.put(line)
-            lines.put(None)
-
-        threading.Thread(target=pump, daemon=True).start()
-        deadline = time.monotonic() + cfg.timeout_s + 60
-        while True:
-            try:
-                line = lines.get(timeout=0.5)
-            except queue.Empty:
-                if time.monotonic() > deadline:
-                    proc.kill()
-                    raise TimeoutError(f"{cfg.label}: no result within {cfg.timeout_s + 60:.0f}"
-                                       " s; killed") from None
-                continue
-            if line is None:
-                break
-            tail = (tail + [line.rstrip()])[-40:]
-            m = _PROGRESS.search(line)
-            if m and progress is not None:
-                progress.update(task, completed=int(m.group(1)),
-                                description=f"{cfg.label:14s} {line.split('|')[0][-28:]}")
-            elif progress is None and m is None and "USDT" not in line:
-                print(line.rstrip(), flush=True)
-            elif progress is None and m and int(m.group(1)) % 10 == 0:
-                print(line.rstrip(), flush=True)
-        rc = proc.wait()
-    if rc != 0 or not os.path.exists(out_path):
-        raise RuntimeError(f"{cfg.label} failed (exit {rc}); last output:\n" + "\n".join(tail))
-    with open(out_path) as f:
-        return json.load(f)  # type: ignore[no-any-return]
-
-
-def _ratio(a: float | None, b: float | None) -> float | None:
-    return None if a is None or b is None or b == 0 else a / b
 
 
 def sync_warnings(cfgs: list[RunConfig]) -> list[str]:
@@ -243,98 +186,6 @@ def sync_warnings(cfgs: list[RunConfig]) -> list[str]:
                 out.append(text)
     return out
 
-
-def _mean_step(r: dict[str, Any]) -> float | None:
-    first, last = r.get("timing_window") or (1, 0)
-    steps = (r.get("step_s") or [])[first - 1:last]
-    return sum(steps) / len(steps) if steps else None
-
-
-def build_table(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One row per run with its ratios to dense AdamS (loss, bytes) and to compute-only.
-
-    ``bytes_per_step`` is :func:`bench.local_sgd_opts.steady_bytes`: the per-step median for
-    optimizers that communicate every step, the mean over all steps for the local-step ones
-    (``bytes_basis`` says which)."""
-    by = {r["name"]: r for r in runs}
-    dense, floor = by.get("adams", {}), by.get("compute_only", {})
-    dense_bytes = steady_bytes(dense)[0] if dense else None
-    rows = []
-    for r in runs:
-        nbytes, basis = steady_bytes(r)
-        rows.append({
-            "name": r["name"], "optimizer": r["config"]["optimizer"],
-            "sparsity": r["config"]["sparsity"],
-            "final_val_loss": r["final_val_loss"],
-            "val_ratio_to_adams": _ratio(r["final_val_loss"],
-                                         dense.get("final_val_loss")),
-            "bytes_per_step": nbytes, "bytes_basis": basis,
-            "bytes_ratio_to_adams": _ratio(nbytes, dense_bytes),
-            "median_step_s": r["median_step_s"],
-            "mean_step_s": _mean_step(r),
-            "step_ratio_to_compute_only": _ratio(r["median_step_s"],
-                                                 floor.get("median_step_s")),
-            "median_compute_s": r["median_compute_s"],
-        })
-    return rows
-
-
-def evaluate_targets(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    by = {r["name"]: r for r in runs}
-
-    def get(name: str, key: str) -> float | None:
-        return by[name][key] if name in by else None
-
-    values = [
-        _ratio(get("scape-0.99", "median_step_s"), get("compute_only", "median_step_s")),
-        _ratio(get("adams", "median_step_s"), get("scape-0.99", "median_step_s")),
-        _ratio(get("scape-0.99", "bytes_per_step_total"), get("adams", "bytes_per_step_total")),
-        _ratio(get("scape-0.9", "final_val_loss"), get("adams", "final_val_loss")),
-        _ratio(get("scape-0.99", "final_val_loss"), get("adams", "final_val_loss")),
-        _ratio(get("scape-0.99", "final_val_loss"), get("topk-0.99", "final_val_loss")),
-    ]
-    out = []
-    for (what, op, threshold), v in zip(TARGETS, values):
-        met = None if v is None else {"<=": v <= threshold, ">=": v >= threshold,
-                                      "<": v < threshold}[op]
-        out.append({"target": f"{what} {op} {threshold:.4g}", "value": v, "met": met})
-    return out
-
-
-def render_markdown(report: dict[str, Any]) -> str:
-    rows = []
-    for t in report["table"]:
-        b_ratio = t["bytes_ratio_to_adams"]
-        mean = t.get("bytes_basis") == "mean_all_steps"
-        rows.append([t["name"], fmt(t["final_val_loss"]), fmt(t["val_ratio_to_adams"], ".3f"),
-                     fmt(int(t["bytes_per_step"])) + (" *" if mean else ""),
-                     "-" if not b_ratio else f"{b_ratio:.4f} (1/{1 / b_ratio:.0f})",
-                     fmt(None if t["median_step_s"] is None else t["median_step_s"] * 1e3, ".1f"),
-                     fmt(t["step_ratio_to_compute_only"], ".2f")])
-    table = markdown_table(["optimizer", "final val loss", "vs dense AdamS",
-                            "bytes/step/rank", "vs dense", "median step (ms)",
-                            "vs compute-only"], rows)
-    targets = markdown_table(["target", "measured", "met"],
-                             [[t["target"], fmt(t["value"], ".4g"),
-                               {True: "yes", False: "**no**", None: "-"}[t["met"]]]
-                              for t in report["targets"]])
-    notes = ""
-    if any(t.get("bytes_basis") == "mean_all_steps" for t in report["table"]):
-        notes += ("\n\n\\* local-step method: communicates only every H steps, so its bytes "
-                  "are the mean over all steps (`bytes_per_step_mean_all_steps`: a sync's bytes "
-                  "/ H, averaged over the sync periods), not the per-step median (0); its "
-                  "median step is a step without a sync (`mean_step_s` in report.json "
-                  "includes the syncs).")
-    for text in report.get("warnings", []):
-        notes += f"\n\n{text}"
-    w = report["workload"]
-    return (f"# bench.compare\n\n`{report['command']}` on {report['machine']['cpus']} CPU "
-            f"cores, {report['date']}; link: {report['bandwidth'] or 'unshaped loopback'}; "
-            f"W={w['world']}, model {w['model']} ({report['params']:,} parameters), "
-            f"{w['steps']} steps of {w['batch']}x{w['seq']} tokens per rank, lr {w['lr']:g}, "
-            f"SCAPE/top-k dense warm-up {w['warmup_steps']} steps; medians over steps "
-            f"{report['timing_window'][0]}-{report['timing_window'][1]}. "
-            f"Wall time {report['wall_s']:.0f} s.\n\n{table}{notes}\n\n## Targets\n\n{targets}\n")
 
 
 def resolve_bandwidth(arg: str) -> tuple[str | None, str]:
@@ -356,87 +207,196 @@ def resolve_bandwidth(arg: str) -> tuple[str | None, str]:
     return arg, f"shaped loopback at {arg}"
 
 
+def resolve_device(arg: str, world: int) -> tuple[str, str]:
+    """``(device, note)`` from ``--device`` (``auto``, ``cpu`` or ``cuda``): CUDA needs one GPU
+    per rank."""
+    import torch
+
+    found = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if arg == "cpu":
+        return "cpu", "device: CPU, gloo (--device cpu)"
+    if found >= world:
+        return "cuda", (f"device: {found} CUDA GPUs, one per rank: NCCL and the Triton "
+                        "kernels")
+    if arg == "cuda":
+        raise ValueError(f"--device cuda needs one GPU per rank ({world}), found {found}")
+    why = "no CUDA GPU" if found == 0 else f"{found} CUDA GPUs for {world} ranks"
+    return "cpu", f"note: {why} here: both legs run on the CPU (gloo, the kernels' torch path)"
+
+
+def plan_legs(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """The workload of each leg that runs, with the command line's changes applied."""
+    legs = {"quality": dict(QUICK_QUALITY if args.quick else QUALITY),
+            "speed": dict(QUICK_SPEED if args.quick else SPEED)}
+    for w in legs.values():
+        for key in ("world", "model", "batch", "lr"):
+            if getattr(args, key) is not None:
+                w[key] = getattr(args, key)
+    if args.steps is not None:
+        legs["quality"].update(steps=args.steps, eval_every=max(1, args.steps // 6))
+    if args.speed_steps is not None:
+        w = legs["speed"]
+        w.update(steps=args.speed_steps, eval_every=args.speed_steps,
+                 warmup_steps=min(w["warmup_steps"], max(0, args.speed_steps - 3)))
+    return {k: v for k, v in legs.items() if args.leg in ("both", k)}
+
+
+def _guess(w: dict[str, Any], rate: str | None, dense: bool) -> float:
+    """Seconds per step before one is measured: compute, plus for a dense row behind a shaped
+    link its ring traffic (``2 * 4 * N * (W - 1)`` bytes cross the one shared loopback)."""
+    step = GUESS_STEP_S.get(w["model"], 1.0)
+    if dense and rate is not None:
+        from bench.gpt import GPT, get_config, num_params
+        from bench.netns import parse_rate
+
+        n = num_params(GPT(get_config(w["model"])))
+        step += 64 * n * (w["world"] - 1) / parse_rate(rate)
+    return step
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--leg", choices=("both", "quality", "speed"), default="both")
+    ap.add_argument("--optimizers", nargs="+", default=list(DEFAULT_OPTIMIZERS))
+    ap.add_argument("--steps", type=int, default=None,
+                    help="quality leg steps (default 600; --quick 30)")
+    ap.add_argument("--speed-steps", type=int, default=None,
+                    help="speed leg steps (default 16: 4 left out, the median of 12)")
     ap.add_argument("--bandwidth", default="auto",
-                    help="tc rate (e.g. 100mbit), 'auto' (100mbit if possible) or 'none'")
+                    help="speed leg link: a tc rate (e.g. 100mbit), 'auto' (100mbit where "
+                         "possible) or 'none'")
+    ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     ap.add_argument("--world", type=int, default=None)
-    ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--model", default=None)
     ap.add_argument("--batch", type=int, default=None, help="sequences per rank per step")
-    ap.add_argument("--optimizers", nargs="+", default=list(DEFAULT_OPTIMIZERS))
+    ap.add_argument("--lr", type=float, default=None, help=f"peak lr (default {TUNED_LR:g})")
     ap.add_argument("--data", default=None, help="text file or directory (default: stdlib)")
     ap.add_argument("--out", default="out")
     ap.add_argument("--profile", action="store_true",
-                    help="torch.profiler trace per rank under OUT/profile/NAME/")
-    ap.add_argument("--smoke", action="store_true", help="tiny model, W=2, a few steps")
+                    help="torch.profiler trace per rank of the speed leg under OUT/profile/")
+    ap.add_argument("--quick", action="store_true",
+                    help="tiny model, W=2, both legs in under 2 minutes (the CI smoke)")
     ap.add_argument("--timeout", type=float, default=900.0, help="deadline per run (s)")
     args = ap.parse_args(argv)
-
-    w: dict[str, Any] = dict(SMOKE if args.smoke else DEFAULTS)
-    for key in ("world", "steps", "model", "batch"):
-        if getattr(args, key) is not None:
-            w[key] = getattr(args, key)
-    if args.steps is not None:
-        w["eval_every"] = max(1, w["steps"] // 3)
-    if args.smoke and args.bandwidth == "auto":
-        args.bandwidth = "none"
-    bandwidth, note = resolve_bandwidth(args.bandwidth)
-    print(note, flush=True)
-    os.makedirs(os.path.join(args.out, "runs"), exist_ok=True)
-    profile_dir = os.path.join(args.out, "profile") if args.profile else None
+    legs = plan_legs(args)
     try:
-        cfgs = make_configs(args.optimizers, w, args.data, profile_dir, args.timeout)
+        world = next(iter(legs.values()))["world"]
+        device, device_note = resolve_device(args.device, world)
+        cfgs = {leg: make_configs(
+            [n for n in args.optimizers if leg == "speed" or parse_name(n)[0] != "compute_only"],
+            w, args.data, os.path.join(args.out, "profile") if args.profile and leg == "speed"
+            else None, args.timeout, device) for leg, w in legs.items()}
+        bandwidth, link_note = resolve_bandwidth(args.bandwidth) if "speed" in legs \
+            else (None, "")
     except ValueError as e:
         ap.error(str(e))
-    warnings = sync_warnings(cfgs)
+    print(device_note, flush=True)
+    if link_note:
+        print(f"speed leg: {link_note}", flush=True)
+    warnings = [t for c in cfgs.values() for t in sync_warnings(c)]
     for text in warnings:
         print(text, flush=True)
+    plan = [Planned(leg, c, "quality" if leg == "quality" else "sparse"
+                    if OPTIMIZERS[c.optimizer].sparse or OPTIMIZERS[c.optimizer].local_steps
+                    else "dense") for leg, cs in cfgs.items() for c in cs]
+    guess = {"quality": _guess(legs.get("quality", legs.get("speed", {})), None, False),
+             "sparse": _guess(legs.get("speed", QUICK_SPEED), None, False),
+             "dense": _guess(legs.get("speed", QUICK_SPEED), bandwidth, True)}
+    tracker = Tracker(plan, guess)
+    print("plan: " + "; ".join(f"{leg} leg {len(cs)} runs x {legs[leg]['steps']} steps"
+                               for leg, cs in cfgs.items())
+          + f"; estimated {tracker.remaining_s() / 60:.0f} min", flush=True)
 
     started = time.perf_counter()
-    runs: list[dict[str, Any]] = []
+    env = environment(device, None)
+    link = verify_link(bandwidth) if "speed" in legs else None
+    if link and link["delivered_bps"]:
+        print(f"speed leg: {link['label']}", flush=True)
+    results: dict[str, list[dict[str, Any]]] = {leg: [] for leg in cfgs}
     try:
-        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-        progress: Any = Progress(TextColumn("{task.description}"), BarColumn(),
-                                 TextColumn("{task.completed}/{task.total}"),
-                                 TimeElapsedColumn())
-    except ImportError:
-        progress = None
-    with progress if progress is not None else contextlib.nullcontext():
-        tasks = [progress.add_task(c.label, total=c.steps) if progress else None for c in cfgs]
-        for cfg, task in zip(cfgs, tasks):
-            path = os.path.join(args.out, "runs", f"{cfg.label}.json")
-            runs.append(run_one(cfg, path, bandwidth, progress, task))
-    report = {
+        for p in plan:
+            os.makedirs(os.path.join(args.out, "runs", p.leg), exist_ok=True)
+            tracker.start(p)
+            results[p.leg].append(run_one(
+                p.cfg, os.path.join(args.out, "runs", p.leg, f"{p.cfg.label}.json"),
+                bandwidth if p.leg == "speed" else None, tracker.step))
+            tracker.finish(p)
+    finally:
+        tracker.close()
+    env["device_name"] = next(r for rs in results.values() for r in rs).get("device", "cpu")
+    report = build_report(argv, legs, results, env, link, warnings,
+                          time.perf_counter() - started, args.profile, args.quick,
+                          args.lr is not None)
+    write_outputs(report, args.out)
+    return 0
+
+
+def build_report(argv: list[str] | None, legs: dict[str, dict[str, Any]],
+                 results: dict[str, list[dict[str, Any]]], env: dict[str, Any],
+                 link: dict[str, Any] | None, warnings: list[str], wall_s: float,
+                 profile: bool, quick: bool = False, lr_given: bool = False
+                 ) -> dict[str, Any]:
+    """``report.json``'s content (schema in bench/README.md)."""
+    quality, speed = results.get("quality"), results.get("speed")
+    first = (quality or speed or [{}])[0]
+    scape_run = next((r for r in (quality or []) + (speed or []) if r["name"] == "scape-0.99"),
+                     None)
+    lr_source = "given" if lr_given else "the quick plan's" if quick else \
+        "dense AdamS's tuned rate"
+    report: dict[str, Any] = {
         "schema": SCHEMA,
-        "command": " ".join(["python -m bench.compare"] + (argv if argv is not None
-                                                           else sys.argv[1:])),
+        "command": " ".join(["python -m bench.compare"] + (sys.argv[1:] if argv is None
+                                                           else list(argv))),
         "date": datetime.date.today().isoformat(),
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
-                    "python": platform.python_version()},
-        "bandwidth": bandwidth, "bandwidth_note": note,
-        "workload": w, "params": runs[0]["params"], "timing_window": runs[0]["timing_window"],
-        "table": build_table(runs), "targets": evaluate_targets(runs), "warnings": warnings,
-        "profile_phases": {r["name"]: r["phases"] for r in runs} if args.profile else None,
-        "wall_s": time.perf_counter() - started,
-        "runs": runs,
+        "environment": env,
+        "params": first.get("params"),
+        "update": (scape_run or {}).get("optimizer_settings", {}).get("update", "auto"),
+        "quality": None if quality is None else {
+            "workload": legs["quality"], "link": "unshaped loopback", "lr_source": lr_source,
+            "table": quality_table(quality), "runs": quality},
+        "speed": None if speed is None else {
+            "workload": legs["speed"], "link": link, "timing_window": speed[0]["timing_window"],
+            "table": speed_table(speed, legs["speed"]["world"]), "runs": speed},
+        "warnings": warnings,
+        "profile_phases": {r["name"]: r["phases"] for r in speed or []} if profile else None,
+        "wall_s": wall_s,
     }
-    with open(os.path.join(args.out, "report.json"), "w") as f:
+    report["targets"] = evaluate_targets(report["quality"]["table"] if quality else [],
+                                         report["speed"]["table"] if speed else [])
+    report["headline"] = headline(report)
+    return report
+
+
+def write_outputs(report: dict[str, Any], out: str) -> None:
+    """report.json, report.md and the plots; the headline is printed first."""
+    with open(os.path.join(out, "report.json"), "w") as f:
         json.dump(report, f, indent=1)
     md = render_markdown(report)
-    with open(os.path.join(args.out, "report.md"), "w") as f:
+    with open(os.path.join(out, "report.md"), "w") as f:
         f.write(md)
-    title = f"W={w['world']}, {bandwidth or 'unshaped'}"
-    plot_loss(runs, os.path.join(args.out, "loss.png"), f"validation loss ({title})")
-    plot_bytes([dict(r, bytes_per_step={"mean over all steps": r["bytes_per_step_mean_all_steps"]})
-                if steady_bytes(r)[1] == "mean_all_steps" else r for r in runs],
-               os.path.join(args.out, "bytes.png"), f"bytes per step per rank ({title})")
-    print(md)
-    if args.profile:
-        for r in runs:
-            print(f"profile {r['name']}: ranges {', '.join(r['phases']) or '(none)'}")
-    print(f"wrote {args.out}/report.json, report.md, loss.png, bytes.png")
-    return 0
+    written = ["report.json", "report.md"]
+    if report["quality"]:
+        w = report["quality"]["workload"]
+        if plot_loss(report["quality"]["runs"], os.path.join(out, "loss.png"),
+                     f"validation loss (W={w['world']}, {w['steps']} steps, unshaped)"):
+            written.append("loss.png")
+    if report["speed"]:
+        runs = report["speed"]["runs"]
+        title = f"W={report['speed']['workload']['world']}, {report['speed']['link']['label']}"
+        if plot_bytes([dict(r, bytes_per_step={"mean over all steps":
+                                               r["bytes_per_step_mean_all_steps"]})
+                       if steady_bytes(r)[1] == "mean_all_steps" else r for r in runs],
+                      os.path.join(out, "bytes.png"), f"bytes per step per rank ({title})"):
+            written.append("bytes.png")
+        if plot_steps(report["speed"]["table"], os.path.join(out, "steps.png"),
+                      f"median step ({title})"):
+            written.append("steps.png")
+    print(report["headline"]["text"])
+    print(md.split("\n", 4)[-1])
+    if report.get("profile_phases"):
+        for name, phases in report["profile_phases"].items():
+            print(f"profile {name}: ranges {', '.join(phases) or '(none)'}")
+    print(f"wrote {', '.join(os.path.join(out, f) for f in written)}")
 
 
 if __name__ == "__main__":

@@ -102,6 +102,34 @@ def plot_bytes(runs: Sequence[dict[str, Any]], path: str, title: str = "") -> bo
     return True
 
 
+def plot_steps(table: Sequence[dict[str, Any]], path: str, title: str = "") -> bool:
+    """Median step time per row (log scale), split into local compute and waiting on the
+    link; the compute-only floor as a dashed line."""
+    plt = _pyplot()
+    if plt is None:
+        return False
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    names = [r["name"] for r in table]
+    step = [1e3 * (r["median_step_s"] or 0.0) for r in table]
+    wait = [1e3 * min(r["median_wait_s"] or 0.0, r["median_step_s"] or 0.0) for r in table]
+    ax.bar(names, [s - w for s, w in zip(step, wait)], label="compute")
+    ax.bar(names, wait, bottom=[s - w for s, w in zip(step, wait)], label="waiting on the link")
+    for x, s in enumerate(step):
+        ax.text(x, s, f"{s:,.0f} ms", ha="center", va="bottom", fontsize=8)
+    floor = [1e3 * r["median_step_s"] for r in table if r["name"] == "compute_only"]
+    if floor:
+        ax.axhline(floor[0], color="black", lw=0.8, ls="--", label="compute-only")
+    ax.set_yscale("log")
+    ax.set_ylabel("median step (ms)")
+    ax.set_title(title or "step time")
+    ax.tick_params(axis="x", rotation=30)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
 def plot_points(series: dict[str, list[tuple[float, float]]], path: str, *, xlabel: str,
                 ylabel: str, title: str = "", logx: bool = False, hline: float | None = None
                 ) -> bool:

@@ -22,7 +22,8 @@ import platform
 import time
 from typing import Any
 
-from bench.compare import make_configs, run_one
+from bench.compare import make_configs
+from bench.compare_exec import run_one
 from bench.report import fmt, markdown_table
 
 SCHEMA = "scape.step_time/1"

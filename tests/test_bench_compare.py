@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import argparse
 import math
 
 import numpy as np
@@ -10,14 +11,14 @@ import pytest
 import torch
 from dist import run_ranks
 
-from bench.compare import (
-    DEFAULTS,
-    build_table,
+from bench.compare import QUALITY, make_configs, parse_name, resolve_device, sync_warnings
+from bench.compare_report import (
     evaluate_targets,
-    make_configs,
-    parse_name,
+    formula_bytes,
+    headline,
+    quality_table,
     render_markdown,
-    sync_warnings,
+    speed_table,
 )
 from bench.local_sgd_opts import parse_local_name
 from bench.runner import RunConfig, lr_at, summarize
@@ -207,25 +208,130 @@ def test_summarize_uses_the_steady_window():
     assert s["timing_window"] == [4, steps] and s["dense_steps"] == 2
 
 
-def test_compare_table_and_targets():
+def _fake_run(name: str, loss: float | None, nbytes: float, step_s: float) -> dict:
+    opt, sp = parse_name(name)
+    return {"name": name, "config": {"optimizer": opt, "sparsity": sp}, "params": 1000,
+            "final_val_loss": loss, "val_curve": [] if loss is None else [[4, loss]],
+            "bytes_per_step_total": nbytes, "bytes_per_step_mean_all_steps": nbytes,
+            "median_step_s": step_s, "median_wait_s": step_s / 3,
+            "median_compute_s": step_s * 2 / 3, "timing_window": [2, 4],
+            "step_s": [9.0, step_s, step_s, step_s], "n_pad": None, "phases": [],
+            "optimizer_settings": {}}
+
+
+def test_compare_tables_targets_and_headline():
     gen = torch.Generator().manual_seed(9)
     names = ["adams", "scape-0.99", "topk-0.99", "compute_only"]
-    vals = torch.rand(len(names), 3, generator=gen) + 0.5
-    runs = [{"name": n, "config": {"optimizer": parse_name(n)[0], "sparsity": parse_name(n)[1]},
-             "final_val_loss": None if n == "compute_only" else float(v[0]),
-             "bytes_per_step_total": float(v[1]) * 1e4, "median_step_s": float(v[2]),
-             "median_compute_s": float(v[2]) / 2} for n, v in zip(names, vals)]
-    table = {row["name"]: row for row in build_table(runs)}
-    assert table["adams"]["val_ratio_to_adams"] == 1.0
-    assert table["scape-0.99"]["bytes_ratio_to_adams"] == pytest.approx(
-        runs[1]["bytes_per_step_total"] / runs[0]["bytes_per_step_total"])
-    assert table["compute_only"]["step_ratio_to_compute_only"] == 1.0
-    assert table["compute_only"]["val_ratio_to_adams"] is None
-    targets = {t["target"].split(" <")[0].split(" >")[0]: t for t in evaluate_targets(runs)}
+    v = (torch.rand(len(names), 3, generator=gen) + 0.5).tolist()
+    quality = [_fake_run(n, a, c * 1e4, b) for n, (a, b, c) in zip(names[:3], v)]
+    speed = [_fake_run(n, a, c * 1e4, b) for n, (a, b, c) in zip(names, v)]
+    q = {row["name"]: row for row in quality_table(quality)}
+    s = {row["name"]: row for row in speed_table(speed, world=4)}
+    assert q["adams"]["val_ratio_to_adams"] == 1.0
+    assert q["scape-0.99"]["val_ratio_to_adams"] == pytest.approx(v[1][0] / v[0][0])
+    assert s["scape-0.99"]["bytes_ratio_to_adams"] == pytest.approx(v[1][2] / v[0][2])
+    assert s["scape-0.99"]["speedup_over_adams"] == pytest.approx(v[0][1] / v[1][1])
+    assert s["compute_only"]["step_ratio_to_compute_only"] == 1.0
+    assert s["scape-0.99"]["bytes_formula"] is None  # no layout in the record
+    targets = {t["target"].split(" <")[0].split(" >")[0]: t
+               for t in evaluate_targets(list(q.values()), list(s.values()))}
     step = targets["scape-0.99 step time / compute_only"]
-    assert step["value"] == pytest.approx(runs[1]["median_step_s"] / runs[3]["median_step_s"])
+    assert step["value"] == pytest.approx(v[1][1] / v[3][1])
     assert step["met"] == (step["value"] <= 1.15)
+    loss = targets["scape-0.99 val loss / topk-0.99 val loss"]
+    assert loss["value"] == pytest.approx(v[1][0] / v[2][0])
     assert targets["scape-0.9 val loss / adams val loss"]["met"] is None  # not run
+    report = {"quality": {"table": list(q.values()), "workload": {"steps": 600}},
+              "speed": {"table": list(s.values()), "link": {"requested": "100mbit"}},
+              "update": "auto"}
+    head = headline(report)
+    assert head["loss_ratio"] == q["scape-0.99"]["val_ratio_to_adams"]
+    assert head["speedup"] == s["scape-0.99"]["speedup_over_adams"]
+    assert f"1/{v[0][2] / v[1][2]:.1f} of dense" in head["text"]
+    assert "after 600 steps" in head["text"] and "on a 100mbit link" in head["text"]
+    assert "no headline" in headline({"quality": None, "speed": None})["text"]
+
+
+@pytest.mark.parametrize("opt, sparsity, expected", [
+    ("adamw_ddp", 0.0, 2 * 4 * 70_000),
+    ("adams", 0.0, 8 * 81_920 + 8),
+    ("dist_adamw", 0.0, 8 * 81_920 + 8),
+    # 20 blocks of 4096; k_b = round_half_up(0.01 * 4096) = 41; 0.9: 410
+    ("scape", 0.99, 20 * 41 * 10 + 8),
+    ("scape", 0.9, 20 * 410 * 10 + 8),
+    ("topk", 0.99, 4 * 20 * 41 * 6),
+])
+def test_formula_bytes(opt, sparsity, expected):
+    run = {"config": {"optimizer": opt, "sparsity": sparsity, "group_sparsity": None},
+           "params": 70_000, "n_pad": 81_920,
+           "optimizer_settings": {"block_size": 4096, "explore": 0.1} if opt != "topk"
+           else {"block_size": 4096}}
+    assert formula_bytes(run, world=4) == expected
+    run["config"]["group_sparsity"] = {"embed": 0.9}
+    if opt == "scape":
+        assert formula_bytes(run, world=4) is None  # a split has no single K
+
+
+def test_resolve_device_without_a_gpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    assert resolve_device("cpu", 4)[0] == "cpu"
+    device, note = resolve_device("auto", 4)
+    assert device == "cpu" and "no CUDA GPU here" in note and "run on the CPU" in note
+    with pytest.raises(ValueError, match="--device cuda needs one GPU per rank \\(4\\), found 0"):
+        resolve_device("cuda", 4)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert resolve_device("auto", 4) == ("cpu", "note: 2 CUDA GPUs for 4 ranks here: both legs "
+                                         "run on the CPU (gloo, the kernels' torch path)")
+    assert resolve_device("auto", 2)[0] == "cuda"
+
+
+def test_plan_legs_applies_the_command_line():
+    from bench.compare import QUALITY, SPEED, main, plan_legs
+
+    ap_args = dict(quick=False, world=None, model=None, batch=None, lr=None, steps=None,
+                   speed_steps=None, leg="both")
+    legs = plan_legs(argparse.Namespace(**ap_args))
+    assert legs == {"quality": QUALITY, "speed": SPEED}
+    assert QUALITY["steps"] >= 600 and QUALITY["warmup_steps"] is None  # library default
+    legs = plan_legs(argparse.Namespace(**dict(ap_args, steps=1200, speed_steps=3, lr=1e-3,
+                                               world=2, leg="both")))
+    assert legs["quality"]["steps"] == 1200 and legs["quality"]["eval_every"] == 200
+    assert legs["speed"]["steps"] == 3 and legs["speed"]["warmup_steps"] == 0
+    assert {w["lr"] for w in legs.values()} == {1e-3} and {w["world"] for w in legs.values()} == {2}
+    assert list(plan_legs(argparse.Namespace(**dict(ap_args, leg="speed")))) == ["speed"]
+    with pytest.raises(SystemExit):  # a bad row name is an argparse error, before any run
+        main(["--optimizers", "sgd", "--out", "/nonexistent/x"])
+
+
+def test_tracker_eta_calibrates_from_measured_steps(monkeypatch):
+    import io
+
+    from bench import compare_exec
+
+    clock = [100.0]
+    monkeypatch.setattr(compare_exec.time, "monotonic", lambda: clock[0])
+    cfgs = make_configs(["adams", "scape-0.99"], dict(model="tiny", world=2, steps=10, batch=2,
+                        seq=64, lr=1e-3, warmup_steps=2, eval_every=10, eval_seqs=4),
+                        None, None, 60.0)
+    plan = [compare_exec.Planned("quality", c, "quality") for c in cfgs]
+    stream = io.StringIO()
+    t = compare_exec.Tracker(plan, {"quality": 1.0}, stream=stream, every_s=0)
+    startup = compare_exec.STARTUP_S
+    assert t.remaining_s() == pytest.approx(2 * (startup + 10))
+    t.start(plan[0])
+    clock[0] += 5.0
+    t.step(1, 10)
+    clock[0] += 4 * 0.5
+    t.step(5, 10)  # measured: 0.5 s per step from step 1 to 5
+    assert t.rate["quality"] == pytest.approx(0.5)
+    assert t.remaining_s() == pytest.approx(5 * 0.5 + startup + 10 * 0.5)
+    t.finish(plan[0])
+    assert t.remaining_s() == pytest.approx(startup + 10 * 0.5)
+    lines = stream.getvalue().splitlines()
+    assert lines and all("ETA" in line and "elapsed" in line for line in lines)
+    assert "quality adams step 5/10" in lines[-2]
 
 
 @pytest.mark.parametrize("name, expected", [("scape-0.9", ("scape", 0.9)),
@@ -297,7 +403,7 @@ def test_parse_local_name_rejects_with_the_expected_form(name, why):
 
 
 def test_make_configs_local_rows_and_sync_warnings():
-    w = dict(DEFAULTS, steps=40)
+    w = dict(QUALITY, steps=40)
     cfgs = make_configs(["adams", "sparseloco-h8-d0.03-b4", "diloco-h32"], w, None, None, 60.0)
     assert [c.optimizer for c in cfgs] == ["adams", "sparseloco", "diloco"]
     assert cfgs[1].optimizer_kwargs == {"sync_every": 8, "density": 0.03, "value_bits": 4}
@@ -314,13 +420,13 @@ def test_compare_table_uses_the_mean_bytes_of_local_step_rows():
     gen = torch.Generator().manual_seed(11)
     v = (torch.rand(3, 3, generator=gen) + 0.5).tolist()
     names = ["adams", "sparseloco-h8-d0.01", "diloco-h8"]
-    runs = [{"name": n, "config": {"optimizer": parse_name(n)[0], "sparsity": 0.0},
-             "final_val_loss": a, "median_step_s": b, "median_compute_s": b / 2,
-             "timing_window": [2, 4], "step_s": [9.0, b, 2 * b, 3 * b],
-             "bytes_per_step_total": 0.0 if n != "adams" else c * 1e6,
-             "bytes_per_step_mean_all_steps": c * 1e3 if n != "adams" else c * 1e6}
-            for n, (a, b, c) in zip(names, v)]
-    table = {row["name"]: row for row in build_table(runs)}
+    runs = []
+    for n, (a, b, c) in zip(names, v):
+        r = _fake_run(n, a, 0.0 if n != "adams" else c * 1e6, b)
+        r.update(step_s=[9.0, b, 2 * b, 3 * b],
+                 bytes_per_step_mean_all_steps=c * 1e3 if n != "adams" else c * 1e6)
+        runs.append(r)
+    table = {row["name"]: row for row in speed_table(runs, world=2)}
     assert table["adams"]["bytes_basis"] == "median"
     for n, r in zip(names[1:], runs[1:]):
         row = table[n]
@@ -329,8 +435,13 @@ def test_compare_table_uses_the_mean_bytes_of_local_step_rows():
         assert row["bytes_ratio_to_adams"] == pytest.approx(
             r["bytes_per_step_mean_all_steps"] / runs[0]["bytes_per_step_total"])
         assert row["mean_step_s"] == pytest.approx(2 * r["median_step_s"])  # steps 2..4
-    report = {"table": list(table.values()), "targets": [], "warnings": ["warning: x"],
-              "command": "c", "machine": {"cpus": 2}, "date": "d", "bandwidth": None,
-              "workload": dict(DEFAULTS), "params": 1, "timing_window": [2, 4], "wall_s": 1.0}
+        assert row["bytes_ratio_to_formula"] is None
+    from bench.compare import SPEED, build_report
+
+    env = {"cpus_usable": 2, "torch": "t", "device_name": "cpu", "git_revision": None}
+    report = build_report([], {"speed": dict(SPEED)}, {"speed": runs}, env,
+                          {"requested": None, "label": "unshaped loopback"}, ["warning: x"],
+                          1.0, False)
     md = render_markdown(report)
-    assert md.count(" * |") == 2 and "not the per-step median" in md and "warning: x" in md
+    assert md.count(" * |") == 4 and "not the per-step median" in md and "warning: x" in md
+    assert md.startswith(f"# bench.compare\n\n**{report['headline']['text']}**")

@@ -51,73 +51,95 @@ RUN_KEYS = {"schema", "name", "config", "optimizer_settings", "params", "final_v
             "timing_window", "median_step_s", "median_wait_s", "median_compute_s",
             "median_compute_s_by_rank", "step_s", "bytes_per_step", "bytes_per_step_total",
             "bytes_per_step_mean_all_steps", "dense_steps", "phases", "wall_s", "train_wall_s",
-            "param_sha256", "param_sha256_ranks_agree"}
+            "param_sha256", "param_sha256_ranks_agree", "n_pad", "device"}
+QUALITY_ROWS = ["adams", "adamw_ddp", "scape-0.9", "scape-0.99", "topk-0.99"]
 
 
-@pytest.mark.timeout(240)
-def test_compare_smoke(tmp_path):
+@pytest.mark.timeout(300)
+def test_compare_quick(tmp_path):
+    """`python -m bench.compare --quick`: both legs, the headline first, the documented
+    report, every row's bytes equal to the library's own record and to the formula."""
+    from bench.netns import available
+
     out = tmp_path / "out"
-    stdout = _run(["bench.compare", "--smoke", "--profile", "--out", str(out)], timeout=220)
-    assert "unshaped loopback" in stdout
+    stdout = _run(["bench.compare", "--quick", "--profile", "--out", str(out)], timeout=280)
     report = json.loads((out / "report.json").read_text())
-    assert report["schema"] == "scape.compare/1"
-    names = [r["name"] for r in report["runs"]]
-    assert names == ["adamw_ddp", "dist_adamw", "adams", "scape-0.9", "scape-0.99",
-                     "scape-0.99-embed0.9", "topk-0.99", "compute_only"]
-    world, steps = report["workload"]["world"], report["workload"]["steps"]
-    assert world == 2
-    by = {r["name"]: r for r in report["runs"]}
-    for r in report["runs"]:
+    assert report["schema"] == "scape.compare/2"
+    env = report["environment"]
+    assert env["torch"] == torch.__version__ and env["cpus"] == os.cpu_count()
+    assert env["device"] == "cpu" and "no CUDA GPU" in stdout
+    assert env["git_revision"] is None or len(env["git_revision"]) == 40
+    # the speed leg's link: shaped and its delivered rate measured where this machine can
+    link = report["speed"]["link"]
+    if available()[0]:
+        assert link["requested"] == "100mbit"
+        assert 0.8 < link["delivered_bps"] / link["requested_bps"] < 1.1, link
+    else:
+        assert link["requested"] is None and "not available" in stdout
+    quality, speed = report["quality"], report["speed"]
+    assert [r["name"] for r in quality["runs"]] == QUALITY_ROWS
+    assert [r["name"] for r in speed["runs"]] == QUALITY_ROWS + ["compute_only"]
+    steps = quality["workload"]["steps"]
+    assert report["params"] == quality["runs"][0]["params"]
+    for r in quality["runs"] + speed["runs"]:
         assert set(r) == RUN_KEYS and r["schema"] == "scape.run/1"
         assert len(r["param_sha256"]) == 64
         if r["name"] != "compute_only":  # the floor's ranks exchange nothing
             assert r["param_sha256_ranks_agree"], r["name"]
-        assert len(r["train_curve"]) == len(r["step_s"]) == steps
+            assert 0 < r["final_val_loss"] < 6
         assert all(t > 0 for t in r["step_s"])
         assert 0 <= r["median_wait_s"] <= r["median_step_s"]
-        assert r["params"] == by["adams"]["params"]
-        if r["name"] == "compute_only":
-            assert r["final_val_loss"] is None and r["val_curve"] == []
-        else:
-            assert r["val_curve"][-1][0] == steps and 0 < r["final_val_loss"] < 6
-            assert r["final_val_loss"] == r["val_curve"][-1][1]
+    for r in quality["runs"]:
+        assert r["val_curve"][-1][0] == steps == len(r["train_curve"])
+        assert r["final_val_loss"] == r["val_curve"][-1][1]
     # every optimizer trained on the same data: the first step's loss is the same
-    first = {round(r["train_curve"][0], 5) for r in report["runs"]}
-    assert len(first) == 1
-    # the effective settings are recorded (the rule's fields and library defaults included)
-    settings = by["scape-0.99"]["optimizer_settings"]
-    assert settings == {"update": "auto", "explore": 0.1, "warmup_steps": 2, "dense_every": 0,
-                        "error_feedback": True, "block_size": 4096}
-    assert by["scape-0.99-embed0.9"]["optimizer_settings"]["update"] == \
-        "catchup_agree_trust2_accum"  # the research's rule, registered in the ranks
+    assert len({round(r["train_curve"][0], 5) for r in quality["runs"] + speed["runs"]}) == 1
+    # the quality leg runs the library's defaults; the speed leg shortens the warm-up only
+    by_q = {r["name"]: r for r in quality["runs"]}
+    by_s = {r["name"]: r for r in speed["runs"]}
+    assert by_q["scape-0.99"]["optimizer_settings"] == {
+        "update": "auto", "explore": 0.1, "warmup_steps": quality["workload"]["warmup_steps"],
+        "dense_every": 0, "error_feedback": True, "block_size": 4096}
+    assert by_s["scape-0.99"]["optimizer_settings"]["warmup_steps"] == 2
     # bytes: DDP counts 2 x its fp32 gradient buckets; SCAPE's equal the library's own record
-    # of every group at 0.99
-    assert by["adamw_ddp"]["bytes_per_step_total"] == 2 * 4 * by["adams"]["params"]
-    dense, _ = _library_bytes(0.0, world)
-    assert by["adams"]["bytes_per_step_total"] == dense
-    _, sparse99 = _library_bytes(0.99, world)  # the defaults
-    for name in ("scape-0.99", "compute_only"):
-        assert by[name]["bytes_per_step_total"] == sparse99
-    _, embed = _library_bytes(0.99, world, {"embed": 0.9}, "catchup_agree_trust2_accum")
-    assert by["scape-0.99-embed0.9"]["bytes_per_step_total"] == embed > sparse99
-    assert by["scape-0.99"]["bytes_per_step"]["all_gather"] > 0
-    # table rows and ratios
-    table = {t["name"]: t for t in report["table"]}
-    assert table["adams"]["val_ratio_to_adams"] == 1.0
+    world = speed["workload"]["world"]
+    dense, sparse99 = _library_bytes(0.99, world)
+    assert by_s["adamw_ddp"]["bytes_per_step_total"] == 2 * 4 * report["params"]
+    assert by_s["adams"]["bytes_per_step_total"] == _library_bytes(0.0, world)[0] == dense
+    assert by_s["scape-0.99"]["bytes_per_step_total"] == sparse99
+    assert by_s["compute_only"]["bytes_per_step_total"] == sparse99
+    table = {t["name"]: t for t in speed["table"]}
+    for name in QUALITY_ROWS:  # the formula, from the layout alone, matches the counters
+        assert table[name]["bytes_formula"] == table[name]["bytes_per_step"], name
+        assert table[name]["bytes_ratio_to_formula"] == 1.0
+    assert table["compute_only"]["bytes_formula"] is None
+    assert table["adams"]["speedup_over_adams"] == 1.0
     assert table["compute_only"]["step_ratio_to_compute_only"] == 1.0
-    assert table["scape-0.99"]["bytes_ratio_to_adams"] == pytest.approx(
-        by["scape-0.99"]["bytes_per_step_total"] / dense)
+    assert table["scape-0.99"]["speedup_over_adams"] == pytest.approx(
+        by_s["adams"]["median_step_s"] / by_s["scape-0.99"]["median_step_s"])
+    q = {t["name"]: t for t in quality["table"]}
+    assert q["adams"]["val_ratio_to_adams"] == 1.0
+    assert q["scape-0.99"]["val_ratio_to_adams"] == pytest.approx(
+        by_q["scape-0.99"]["final_val_loss"] / by_q["adams"]["final_val_loss"])
+    # the headline: SCAPE-0.99's three numbers, printed before the table
+    head = report["headline"]
+    assert head["loss_ratio"] == q["scape-0.99"]["val_ratio_to_adams"]
+    assert head["bytes_ratio"] == table["scape-0.99"]["bytes_ratio_to_adams"]
+    assert head["speedup"] == table["scape-0.99"]["speedup_over_adams"]
+    assert stdout.index(head["text"]) < stdout.index("| optimizer |")
     assert len(report["targets"]) == 6 and all(t["met"] in (True, False)
                                                for t in report["targets"])
-    # profiler ranges of every SCAPE phase appear in the traces
+    # a progress line with an ETA; profiler ranges of every SCAPE phase in the speed leg
+    assert "ETA" in stdout and "elapsed" in stdout
     for name in ("scape-0.99", "compute_only"):
         assert set(report["profile_phases"][name]) >= {
             "scape/take", "scape/reduce_scatter", "scape/update", "scape/mask",
             "scape/all_gather", "scape/mask_sync"}
     assert "topk/select" in report["profile_phases"]["topk-0.99"]
-    for f in ("report.md", "loss.png", "bytes.png"):
+    for f in ("report.md", "loss.png", "bytes.png", "steps.png"):
         assert (out / f).stat().st_size > 0
-    assert "| optimizer | final val loss |" in (out / "report.md").read_text()
+    md = (out / "report.md").read_text()
+    assert md.index(head["text"]) < md.index("| optimizer |") < md.index("## Speed leg")
 
 
 def _sparseloco_bytes_per_step(params: int, world: int, sync_every: int, density: float,
@@ -134,17 +156,27 @@ def _sparseloco_bytes_per_step(params: int, world: int, sync_every: int, density
 def test_compare_local_step_rows_smoke(tmp_path):
     out = tmp_path / "out"
     steps = 8
-    stdout = _run(["bench.compare", "--smoke", "--steps", str(steps), "--optimizers", "adams",
+    stdout = _run(["bench.compare", "--quick", "--leg", "speed", "--speed-steps", str(steps),
+                   "--bandwidth", "none", "--optimizers", "adams", "scape-0.99-embed0.9",
                    "sparseloco-h4-d0.03", "diloco-h3", "--out", str(out)], timeout=130)
     report = json.loads((out / "report.json").read_text())
-    assert report["schema"] == "scape.compare/1"
-    by = {r["name"]: r for r in report["runs"]}
-    assert list(by) == ["adams", "sparseloco-h4-d0.03", "diloco-h3"]
-    world, params = report["workload"]["world"], report["params"]
+    assert report["schema"] == "scape.compare/2" and report["quality"] is None
+    leg = report["speed"]
+    assert leg["link"]["requested"] is None
+    by = {r["name"]: r for r in leg["runs"]}
+    assert list(by) == ["adams", "scape-0.99-embed0.9", "sparseloco-h4-d0.03", "diloco-h3"]
+    world, params = leg["workload"]["world"], report["params"]
     assert world == 2
-    for r in report["runs"]:
+    for r in leg["runs"]:
         assert set(r) == RUN_KEYS and r["val_curve"][-1][0] == steps
         assert 0 < r["final_val_loss"] < 6
+    # the embedding split: its own group at 0.9 with the research's rule, registered in the
+    # ranks; more bytes than every group at 0.99, exactly the library's record
+    emb = by["scape-0.99-embed0.9"]
+    assert emb["config"]["group_sparsity"] == {"embed": 0.9}
+    assert emb["optimizer_settings"]["update"] == "catchup_agree_trust2_accum"
+    _, embed = _library_bytes(0.99, world, {"embed": 0.9}, "catchup_agree_trust2_accum")
+    assert emb["bytes_per_step_total"] == embed > _library_bytes(0.99, world)[1]
     assert by["sparseloco-h4-d0.03"]["config"]["optimizer_kwargs"] == {
         "sync_every": 4, "density": 0.03, "value_bits": 2}
     # nothing moves between syncs: the per-step median is 0, the mean is the sync's share
@@ -159,7 +191,8 @@ def test_compare_local_step_rows_smoke(tmp_path):
         (steps // 3) * 8 * n_pad / steps, rel=1e-12)
     (warning,) = report["warnings"]
     assert "diloco-h3" in warning and "not a multiple of H=3" in warning and warning in stdout
-    table = {t["name"]: t for t in report["table"]}
+    table = {t["name"]: t for t in leg["table"]}
+    assert table["scape-0.99-embed0.9"]["bytes_formula"] is None  # a per-group split
     dense = by["adams"]["bytes_per_step_total"]
     assert table["adams"]["bytes_basis"] == "median" and table["adams"]["bytes_per_step"] == dense
     for name in ("sparseloco-h4-d0.03", "diloco-h3"):
