@@ -54,6 +54,7 @@ from typing import Any
 import torch
 
 from scape.kernels import adams_sparse_, noise_ema_
+from scape.kernels import catchup_agree_ as kernel_catchup_agree_
 from scape.kernels import gain_score as kernel_gain_score
 
 
@@ -65,6 +66,15 @@ class ShardState:
     m: torch.Tensor
     age: torch.Tensor
     extra: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    work: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict, repr=False)
+    """Buffers a rule reuses from step to step (its score): not state, never saved."""
+
+    def buffer(self, name: str) -> torch.Tensor:
+        """The fp32 shard-sized buffer ``work[name]``, allocated on first use."""
+        t = self.work.get(name)
+        if t is None or t.numel() != self.master.numel() or t.device != self.master.device:
+            t = self.work[name] = torch.empty_like(self.master)
+        return t
 
 
 UpdateFn = Callable[[ShardState, torch.Tensor, torch.Tensor, int, dict, torch.Tensor], None]
@@ -237,7 +247,8 @@ def gain_score(shard: ShardState, hp: dict) -> torch.Tensor:
     """
     ex = shard.extra
     return kernel_gain_score(ex["mu"], ex["s2"], ex["s2w"], shard.age, beta=NOISE_BETA,
-                             beta1=hp["beta1"], world=hp.get("world", 1))
+                             beta1=hp["beta1"], world=hp.get("world", 1),
+                             out=shard.buffer("score"))
 
 
 def gain_score_residual(shard: ShardState, hp: dict) -> torch.Tensor:
@@ -252,7 +263,8 @@ def gain_score_residual(shard: ShardState, hp: dict) -> torch.Tensor:
     (:func:`scape.kernels.gain_score` with ``prev``, 24 bytes per coordinate)."""
     ex = shard.extra
     return kernel_gain_score(ex["mu"], ex["s2"], ex["s2w"], shard.age, beta=NOISE_BETA,
-                             beta1=hp["beta1"], world=hp.get("world", 1), prev=ex["prev"])
+                             beta1=hp["beta1"], world=hp.get("world", 1), prev=ex["prev"],
+                             out=shard.buffer("score"))
 
 
 def catchup_snr(shard: ShardState, g: torch.Tensor, idx: torch.Tensor, block_size: int,
@@ -322,9 +334,15 @@ def catchup_agree(shard: ShardState, g: torch.Tensor, idx: torch.Tensor, block_s
     however long it waited. Floor one step. ``trust=c`` bounds the displacement by ``c`` times
     the RMS of the coordinate's block of weights, never below the square-root rule:
     ``n <= max(sqrt(a+1), c * rms_b / lr)`` (a stale mean is trusted on the scale of the
-    weights, not beyond). ``mu^2``, ``sigma^2`` and the rest as :func:`catchup_snr`.
+    weights, not beyond). ``mu^2``, ``sigma^2`` and the rest as :func:`catchup_snr`, whose
+    ``agree=True`` form it equals bit for bit on the CPU. One fused kernel on a GPU
+    (:func:`scape.kernels.catchup_agree_`).
     """
-    catchup_snr(shard, g, idx, block_size, hp, model_out, agree=True, trust=trust)
+    ex = shard.extra
+    kernel_catchup_agree_(shard.master, shard.m, shard.age, ex["s2"], ex["s2w"], g, idx,
+                          block_size, lr=hp["lr"], beta1=hp["beta1"], beta2=hp["beta2"],
+                          eps=hp["eps"], weight_decay=hp["weight_decay"],
+                          world=hp.get("world", 1), trust=trust, model_out=model_out)
 
 
 GAIN_SCORES: tuple[ScoreFn, ...] = (gain_score, gain_score_residual)
