@@ -169,25 +169,36 @@ def noise_ema_(buf: torch.Tensor, prev: torch.Tensor, age: torch.Tensor, s2: tor
 
 
 @triton.jit
-def _gain_score_kernel(p_mu, p_s2, p_s2w, p_age, p_prev, p_out, n, span, var_m_scale,
-                       HAS_PREV: tl.constexpr, TILE: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * TILE + tl.arange(0, TILE)
-    m_n = offs < n
+def _gain(p_mu, p_s2, p_s2w, p_prev, offs, m_n, b_age, span, var_m_scale,
+          HAS_PREV: tl.constexpr):
+    """The gain score of the entries ``offs`` (``b_age`` their int32 ages, loaded by the
+    caller): shared by :func:`_gain_score_kernel` and the fused selection
+    (``scape.kernels.select``), so both rank the same fp32 values."""
     b_w = tl.maximum(tl.load(p_s2w + offs, mask=m_n, other=1.0), 1e-12)
     b_ema = tl.load(p_mu + offs, mask=m_n, other=0.0) / b_w
     b_var = tl.maximum(tl.load(p_s2 + offs, mask=m_n, other=0.0) / b_w - b_ema * b_ema, 0.0)
-    b_age = tl.load(p_age + offs, mask=m_n, other=0).to(tl.float32)
+    b_a = b_age.to(tl.float32)
     if HAS_PREV:  # the owner's gradient summed over the wait (nothing yet where age == 0)
         b_prev = tl.load(p_prev + offs, mask=m_n, other=0.0)
-        b_cover = span + b_age
-        b_mean = (b_ema * span + tl.where(b_age > 0.0, b_prev, 0.0)) / b_cover
+        b_cover = span + b_a
+        b_mean = (b_ema * span + tl.where(b_a > 0.0, b_prev, 0.0)) / b_cover
         b_noise = b_var / b_cover
     else:
         b_mean = b_ema
         b_noise = b_var / span
     b_sig = tl.sqrt(tl.maximum(b_mean * b_mean - b_noise, 0.0))
     b_frac = tl.math.erf(b_sig / tl.sqrt(b_var * (2.0 * var_m_scale) + 1e-30))
-    tl.store(p_out + offs, b_sig * tl.maximum(b_frac * (b_age + 1.0), 1.0), mask=m_n)
+    return b_sig * tl.maximum(b_frac * (b_a + 1.0), 1.0)
+
+
+@triton.jit
+def _gain_score_kernel(p_mu, p_s2, p_s2w, p_age, p_prev, p_out, n, span, var_m_scale,
+                       HAS_PREV: tl.constexpr, TILE: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * TILE + tl.arange(0, TILE)
+    m_n = offs < n
+    b_age = tl.load(p_age + offs, mask=m_n, other=0)
+    tl.store(p_out + offs, _gain(p_mu, p_s2, p_s2w, p_prev, offs, m_n, b_age, span,
+                                 var_m_scale, HAS_PREV), mask=m_n)
 
 
 GAIN_TILE = 2048
@@ -203,6 +214,17 @@ def gain_score_triton(mu: torch.Tensor, s2: torch.Tensor, s2w: torch.Tensor,
         mu, s2, s2w, age, mu if prev is None else prev, out, n, span, var_m_scale,
         HAS_PREV=prev is not None, TILE=GAIN_TILE, num_warps=8)
     return out
+
+
+def gain_factors(beta: float, beta1: float, world: int) -> tuple[float, float]:
+    """``(span, var_m_scale)`` of :func:`gain_score`, validated: the steps the EMA covers,
+    ``(1 + beta) / (1 - beta)``, and ``(1 - beta1) / (1 + beta1) / world``."""
+    for name, b in (("beta", beta), ("beta1", beta1)):
+        if isinstance(b, bool) or not isinstance(b, (int, float)) or not 0.0 <= b < 1.0:
+            raise ValueError(f"{name} must be a float in [0, 1), got {b!r}")
+    if isinstance(world, bool) or not isinstance(world, int) or world < 1:
+        raise ValueError(f"world must be an int >= 1, got {world!r}")
+    return (1.0 + beta) / (1.0 - beta), (1.0 - beta1) / (1.0 + beta1) / world
 
 
 def gain_score(mu: torch.Tensor, s2: torch.Tensor, s2w: torch.Tensor, age: torch.Tensor, *,
@@ -241,13 +263,7 @@ def gain_score(mu: torch.Tensor, s2: torch.Tensor, s2w: torch.Tensor, age: torch
         check_tensor("out", out, dtypes=(torch.float32,), ndim=1)
         check_numel("out", out, n, "same length as mu")
         check_same_device(mu=mu, out=out)
-    for name, b in (("beta", beta), ("beta1", beta1)):
-        if isinstance(b, bool) or not isinstance(b, (int, float)) or not 0.0 <= b < 1.0:
-            raise ValueError(f"{name} must be a float in [0, 1), got {b!r}")
-    if isinstance(world, bool) or not isinstance(world, int) or world < 1:
-        raise ValueError(f"world must be an int >= 1, got {world!r}")
-    span = (1.0 + beta) / (1.0 - beta)
-    var_m_scale = (1.0 - beta1) / (1.0 + beta1) / world
+    span, var_m_scale = gain_factors(beta, beta1, world)
     if n == 0:
         return torch.empty_like(mu) if out is None else out
     if use_triton(mu):

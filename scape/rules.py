@@ -35,7 +35,8 @@ that change (otherwise the ranks' models drift apart).
 ``score(shard) -> Tensor`` (length S): the next mask takes, per block, the largest ``|score|``
 (default: the first moment ``m``, DESIGN §1 step 4), and a fraction ``explore`` of each
 block's budget by age. A rule with ``score_reads_hp`` gets the hyperparameters too:
-``score(shard, hp)``.
+``score(shard, hp)``. A rule with ``select`` makes that mask itself, the score and the
+selection fused (the gain rules: one kernel on a GPU, :func:`scape.kernels.gain_topk`).
 
 Optional seams, each free of communication: ``observe(shard, buf, error_feedback)`` sees the
 owner's slice of its own gradient buffer at the start of every step (local statistics, kept
@@ -56,6 +57,7 @@ import torch
 from scape.kernels import adams_sparse_, noise_ema_
 from scape.kernels import catchup_agree_ as kernel_catchup_agree_
 from scape.kernels import gain_score as kernel_gain_score
+from scape.kernels import gain_topk as kernel_gain_topk
 
 
 @dataclasses.dataclass
@@ -108,11 +110,15 @@ class Rule:
     error_feedback: bool = True
     """Keep what a sparse step did not send in the gradient buffer for later steps (False:
     drop it, so ``g`` is this step's gradient alone)."""
+    select: Callable[..., torch.Tensor] | None = None
+    """Makes the next mask itself, ``select(shard, hp, k, k_explore, block_size)`` -> int16
+    ``[n_blocks, k]`` offsets: the mask ``blockwise_topk`` would take from ``score``, with the
+    two fused (:func:`gain_select_residual`). None: ``blockwise_topk`` of ``score``."""
 
     def __post_init__(self) -> None:
         if not callable(self.update):
             raise TypeError(f"Rule.update must be callable, got {type(self.update).__name__}")
-        for name in ("score", "observe", "reset"):
+        for name in ("score", "observe", "reset", "select"):
             fn = getattr(self, name)
             if fn is not None and not callable(fn):
                 raise TypeError(f"Rule.{name} must be callable or None, got "
@@ -267,6 +273,27 @@ def gain_score_residual(shard: ShardState, hp: dict) -> torch.Tensor:
                              out=shard.buffer("score"))
 
 
+def gain_select(shard: ShardState, hp: dict, k: int, k_explore: int,
+                block_size: int) -> torch.Tensor:
+    """The mask of largest :func:`gain_score`: one kernel on a GPU
+    (:func:`scape.kernels.gain_topk`), the score never stored; on the CPU the score (into
+    the shard's buffer) and ``blockwise_topk``."""
+    ex = shard.extra
+    return kernel_gain_topk(ex["mu"], ex["s2"], ex["s2w"], shard.age, k, block_size,
+                            k_explore=k_explore, beta=NOISE_BETA, beta1=hp["beta1"],
+                            world=hp.get("world", 1), out=shard.buffer("score"))
+
+
+def gain_select_residual(shard: ShardState, hp: dict, k: int, k_explore: int,
+                         block_size: int) -> torch.Tensor:
+    """:func:`gain_select` of :func:`gain_score_residual` (the default's masks)."""
+    ex = shard.extra
+    return kernel_gain_topk(ex["mu"], ex["s2"], ex["s2w"], shard.age, k, block_size,
+                            k_explore=k_explore, beta=NOISE_BETA, beta1=hp["beta1"],
+                            world=hp.get("world", 1), prev=ex["prev"],
+                            out=shard.buffer("score"))
+
+
 def catchup_snr(shard: ShardState, g: torch.Tensor, idx: torch.Tensor, block_size: int,
                 hp: dict, model_out: torch.Tensor, floor: float = 0.0,
                 agree: bool = False, cap: float = 1.0, trust: float | None = None) -> None:
@@ -360,7 +387,11 @@ def noise_sized(update: UpdateFn, score: ScoreFn | None = accumulated_score, **k
 def gain_selected(update: UpdateFn, score: ScoreFn = gain_score_residual, **kw: Any) -> Rule:
     """A noise-sized rule whose masks take the coordinates of largest gain (``score``, one of
     :data:`GAIN_SCORES`): it keeps :data:`GAIN_STATE` (16 B per coordinate) through
-    :func:`observe_local_moments`. ``kw``: other :class:`Rule` fields."""
+    :func:`observe_local_moments`, and makes its masks with the score and the selection
+    fused (:func:`gain_select`, :func:`gain_select_residual`). ``kw``: other :class:`Rule`
+    fields."""
+    fused = {gain_score: gain_select, gain_score_residual: gain_select_residual}
+    kw.setdefault("select", fused.get(score))
     return Rule(update, score, observe=observe_local_moments, extra=GAIN_STATE,
                 reset=reset_local_noise, score_reads_hp=True, **kw)
 

@@ -26,7 +26,7 @@ DTYPES = ("fp32", "bf16")
 
 def _specs(dt: str) -> list[tuple[str, object, dict, dict, int]]:
     """(label, kernel, signature, constexprs, num_warps) as the launchers configure them."""
-    from scape.kernels import catchup, moments, sparse, stats, topk
+    from scape.kernels import catchup, moments, select, sparse, stats, topk
 
     specs = []
     for block in (4096, 8192, 32768):
@@ -105,6 +105,14 @@ def _specs(dt: str) -> list[tuple[str, object, dict, dict, int]]:
                       {"BLOCK_SIZE": block, "CHUNK": ccfg["CHUNK"], "K_TILE": ccfg["K_TILE"],
                        "HAS_TRUST": True, "HAS_DECAY": True, "HAS_OUT": True},
                       ccfg["num_warps"]))
+    for block in (4096, 8192):
+        specs.append((f"gain_topk B={block}", select._gain_topk_kernel,
+                      {"p_mu": "*fp32", "p_s2": "*fp32", "p_s2w": "*fp32", "p_age": "*i32",
+                       "p_prev": "*fp32", "p_idx": "*i16", "k": "i32", "k_explore": "i32",
+                       "span": "fp32", "var_m_scale": "fp32", "BLOCK_SIZE": "constexpr",
+                       "HAS_PREV": "constexpr", "HAS_EXPLORE": "constexpr"},
+                      {"BLOCK_SIZE": block, "HAS_PREV": True, "HAS_EXPLORE": True},
+                      select.gain_topk_warps(block)))
     return specs
 
 
