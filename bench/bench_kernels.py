@@ -240,6 +240,24 @@ def test_gain_score(benchmark, data):
 
 
 @pytest.mark.parametrize("sparsity", SPARSITIES)
+def test_gain_topk(benchmark, data, sparsity):
+    """The default rule's next mask, score and selection fused (explore 10%): reads mu, s2,
+    s2w, age, prev once, writes the int16 mask. On the CPU it is gain_score (into a reused
+    buffer, 24 bytes more) then blockwise_topk (8 more): the bytes counted are the fused
+    kernel's on either device."""
+    benchmark.group = "default rule, per shard"
+    k = _k(sparsity)
+    mu, s2, age, prev = data["m"], data["v"], data["age"], data["score"]
+    s2w = torch.full((N,), 0.9, device=DEVICE)
+    out = torch.empty(N, device=DEVICE)
+    n_idx = (N // BLOCK) * k
+    _run(benchmark, lambda: kernels.gain_topk(mu, s2, s2w, age, k, BLOCK, k_explore=round(0.1 * k),
+                                              beta=0.95, beta1=0.9, world=8, prev=prev,
+                                              out=out),
+         N * 20 + n_idx * 2, elements=N)
+
+
+@pytest.mark.parametrize("sparsity", SPARSITIES)
 def test_catchup_agree_(benchmark, data, sparsity):
     """The default rule's catch-up: per mask entry idx, g, p/m/age/s2/s2w read, p/m/age and
     model_out written; per shard coordinate age += 1 and the trust RMS's read of p."""
