@@ -249,7 +249,8 @@ def gain_score(shard: ShardState, hp: dict) -> torch.Tensor:
     for ``explore``. The owner's mean is that of its own share of the batch, so the reading
     is noisier the more ranks share it (measured on 4 ranks; one process fed the global
     batch reads it better than any rank could). One fused pass on a GPU
-    (:func:`scape.kernels.gain_score`, 20 bytes per coordinate).
+    (:func:`scape.kernels.gain_score`, 20 bytes per coordinate). The score is written into
+    the shard's buffer ``work["score"]`` and returned: the next call overwrites it.
     """
     ex = shard.extra
     return kernel_gain_score(ex["mu"], ex["s2"], ex["s2w"], shard.age, beta=NOISE_BETA,
