@@ -1,5 +1,6 @@
 """Micro-benchmarks of every kernel op (block 4096, sparsity 0.9 and 0.99) at n = 2^24 on
-the CPU and n = 2^26 on a GPU (so that the inputs do not fit in its L2 cache).
+the CPU and n = 2^26 on a GPU (so that the inputs do not fit in its L2 cache), and of a whole
+``opt.step()``: dense sharded AdamS against the default rule at 0.99 (group "optimizer step").
 
 On CPU tensors this times the torch path; on a GPU (``SCAPE_BENCH_DEVICE=cuda``) the Triton
 kernels. Each benchmark stores in ``extra_info``: the bytes the op must move (as counted in
@@ -215,3 +216,86 @@ def test_adamw_dense_(benchmark, data):
 def test_grad_stats(benchmark, data):
     benchmark.group = "grad_stats"
     _run(benchmark, lambda: kernels.grad_stats(data["g"]), N * 4)
+
+
+def test_noise_ema_(benchmark, data):
+    """The default rule's observation of its own gradient (error feedback on, with ``mu``):
+    reads buf, prev, age, s2, s2w, mu; writes prev, s2, s2w, mu."""
+    benchmark.group = "default rule, per shard"
+    buf, age = data["g"], data["age"]
+    prev, s2, s2w, mu = (data[x].clone() for x in ("score", "v", "v", "m"))
+    _run(benchmark, lambda: kernels.noise_ema_(buf, prev, age, s2, s2w, beta=0.95,
+                                               error_feedback=True, mu=mu), N * 40)
+
+
+def test_gain_score(benchmark, data):
+    """The default rule's score (with the summed wait ``prev``): reads mu, s2, s2w, age,
+    prev; writes the score into one reused buffer."""
+    benchmark.group = "default rule, per shard"
+    out = torch.empty(N, device=DEVICE)
+    mu, s2, age, prev = data["m"], data["v"], data["age"], data["score"]
+    s2w = torch.full((N,), 0.9, device=DEVICE)
+    _run(benchmark, lambda: kernels.gain_score(mu, s2, s2w, age, beta=0.95, beta1=0.9,
+                                               world=8, prev=prev, out=out), N * 24)
+
+
+@pytest.mark.parametrize("sparsity", SPARSITIES)
+def test_gain_topk(benchmark, data, sparsity):
+    """The default rule's next mask, score and selection fused (explore 10%): reads mu, s2,
+    s2w, age, prev once, writes the int16 mask. On the CPU it is gain_score (into a reused
+    buffer, 24 bytes more) then blockwise_topk (8 more): the bytes counted are the fused
+    kernel's on either device."""
+    benchmark.group = "default rule, per shard"
+    k = _k(sparsity)
+    mu, s2, age, prev = data["m"], data["v"], data["age"], data["score"]
+    s2w = torch.full((N,), 0.9, device=DEVICE)
+    out = torch.empty(N, device=DEVICE)
+    n_idx = (N // BLOCK) * k
+    _run(benchmark, lambda: kernels.gain_topk(mu, s2, s2w, age, k, BLOCK, k_explore=round(0.1 * k),
+                                              beta=0.95, beta1=0.9, world=8, prev=prev,
+                                              out=out),
+         N * 20 + n_idx * 2, elements=N)
+
+
+@pytest.mark.parametrize("sparsity", SPARSITIES)
+def test_catchup_agree_(benchmark, data, sparsity):
+    """The default rule's catch-up: per mask entry idx, g, p/m/age/s2/s2w read, p/m/age and
+    model_out written; per shard coordinate age += 1 and the trust RMS's read of p."""
+    benchmark.group = "default rule, per shard"
+    idx = _mask(data, sparsity)
+    p, m, age = data["p"].clone(), data["m"].clone(), data["age"].clone()
+    s2w = torch.full((N,), 0.9, device=DEVICE)
+    s2 = data["v"] + m * m
+    n_k = idx.numel()
+    g = torch.randn(n_k, device=DEVICE) * 1e-2
+    out = torch.empty(n_k, dtype=torch.bfloat16, device=DEVICE)
+    _run(benchmark, lambda: kernels.catchup_agree_(p, m, age, s2, s2w, g, idx, BLOCK, **HP,
+                                                   world=8, trust=0.5, model_out=out),
+         n_k * (2 + 4 + 20 + 12 + 2) + N * 12, elements=n_k)
+
+
+STEP_MODEL = "tiny" if SMOKE else "base"
+
+
+@pytest.mark.parametrize("kind", [pytest.param("dense_adams", id="dense"),
+                                  pytest.param("scape_0.99", id="default-0.99")])
+def test_optimizer_step(benchmark, kind):
+    """A whole ``opt.step()`` of rank 0 of 4 (network left out: bench.step_compute's null
+    communicator) on the bundled model: dense sharded AdamS against the default rule at
+    0.99, the pair of bench.step_compute; its bytes are the dense step's state traffic."""
+    from bench.step_compute import build
+
+    benchmark.group = "optimizer step"
+    opt, _ = build(STEP_MODEL, 4, kind, device=DEVICE)
+    gen = torch.Generator().manual_seed(0)
+    grads = [(torch.randn(b.n_pad, generator=gen) * 1e-2).to(DEVICE) for b in opt.buckets]
+
+    def step() -> None:
+        for b, g in zip(opt.buckets, grads):
+            b.write_grad_(g)
+        opt.step()
+
+    for _ in range(3):  # warm-up: the first step is dense, then the masks exist
+        step()
+    shard = sum(b.shard_size for b in opt.buckets)
+    _run(benchmark, step, shard * 24)

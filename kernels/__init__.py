@@ -5,8 +5,10 @@ CUDA tensors run the Triton kernels, CPU tensors the torch implementations in
 two-level form in :mod:`scape.kernels.topk_torch`; ``SCAPE_KERNELS=triton|torch`` forces one.
 """
 
+from .catchup import catchup_agree_
 from .moments import adams_dense_, adams_sparse_, adamw_dense_
 from .pack import absmax_scales, pack_values, packed_nbytes, unpack_values
+from .select import gain_topk
 from .sparse import gather, scatter_, take_
 from .stats import gain_score, grad_stats, noise_ema_
 from .topk import blockwise_topk
@@ -19,9 +21,11 @@ __all__ = [
     "adams_dense_",
     "adams_sparse_",
     "adamw_dense_",
+    "catchup_agree_",
     "grad_stats",
     "noise_ema_",
     "gain_score",
+    "gain_topk",
     "pack_values",
     "unpack_values",
     "packed_nbytes",

@@ -25,9 +25,11 @@ def use_triton(t: torch.Tensor) -> bool:
 
     ``SCAPE_KERNELS=triton`` or ``SCAPE_KERNELS=torch`` forces one. Triton on CPU tensors only
     works through the interpreter (``TRITON_INTERPRET=1`` set before triton is imported).
+    ``SCAPE_KERNELS=compile`` dispatches as the default and runs the ops that have a
+    ``torch.compile`` form on CPU tensors through it (:func:`use_compiled`).
     """
     mode = os.environ.get("SCAPE_KERNELS", "").strip().lower()
-    if mode in ("", "auto"):
+    if mode in ("", "auto", "compile"):
         return t.is_cuda and HAVE_TRITON
     if mode == "torch":
         return False
@@ -40,7 +42,16 @@ def use_triton(t: torch.Tensor) -> bool:
                 "triton is imported; got TRITON_INTERPRET="
                 f"{os.environ.get('TRITON_INTERPRET')!r}")
         return True
-    raise ValueError(f"SCAPE_KERNELS must be 'triton', 'torch' or unset; got {mode!r}")
+    raise ValueError(f"SCAPE_KERNELS must be 'triton', 'torch', 'compile' or unset; got "
+                     f"{mode!r}")
+
+
+def use_compiled(t: torch.Tensor) -> bool:
+    """Whether an op with a ``torch.compile`` form runs it: on CPU tensors, and only with
+    ``SCAPE_KERNELS=compile`` (the first call compiles, seconds; the compiled code is not
+    bitwise the eager twin, so it is never the default)."""
+    mode = os.environ.get("SCAPE_KERNELS", "").strip().lower()
+    return mode == "compile" and t.device.type == "cpu"
 
 
 def check_tensor(name: str, t: object, *, dtypes: tuple[torch.dtype, ...] | None = None,

@@ -296,3 +296,48 @@ def gain_score(mu: torch.Tensor, s2: torch.Tensor, s2w: torch.Tensor, age: torch
     sig = mean.square_().sub_(noise).clamp_(min=0.0).sqrt_()
     frac = torch.special.erf(sig / var.mul_(2.0 * var_m_scale).add_(1e-30).sqrt_())
     return sig.mul_(frac.mul_(a.add_(1.0)).clamp_(min=1.0))
+
+
+def catchup_agree_(p: torch.Tensor, m: torch.Tensor, age: torch.Tensor, s2: torch.Tensor,
+                   s2w: torch.Tensor, g: torch.Tensor, idx: torch.Tensor, block_size: int, *,
+                   lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
+                   world: int, trust: float | None = None,
+                   model_out: torch.Tensor | None = None) -> None:
+    """The agreement catch-up at the mask (see ``scape.kernels.catchup_agree_``), in the
+    order of ``scape.rules.catchup_snr(..., agree=True)``, whose result it equals bit for bit.
+    The per-block RMS of ``p`` is taken ``_CHUNK`` entries at a time (no shard-sized
+    temporary; each block's mean is the same reduction)."""
+    flat = _flat(idx, block_size)
+    p_sel, m_sel = p.index_select(0, flat), m.index_select(0, flat)
+    a1 = age.index_select(0, flat).float().add_(1.0)
+    gbar = g.float() / a1
+    denom = (m_sel * m_sel).mul_(beta2).addcmul_(gbar, gbar, value=1.0 - beta2)
+    denom.sqrt_().add_(eps)
+    s2_sel = s2.index_select(0, flat).div_(s2w.index_select(0, flat).clamp_(min=1e-12))
+    sigma2 = (s2_sel - m_sel.square()).clamp_(min=0.0).div_(world).add_(1e-30)
+    mu2 = (gbar.square() - sigma2 / a1).clamp_(min=0.0)
+    sigma_m2 = sigma2 * ((1.0 - beta1) / (1.0 + beta1))
+    frac = torch.special.erf(mu2.div_(sigma_m2.mul_(2.0)).sqrt_())
+    steps = torch.maximum(a1 * frac, a1.pow(0.0))
+    if trust is not None and lr > 0.0:
+        rows = p.view(-1, block_size)
+        step = max(1, _CHUNK // block_size)
+        rms = torch.empty(rows.shape[0], dtype=torch.float32, device=p.device)
+        square = torch.empty(min(step, rows.shape[0]), block_size, dtype=torch.float32,
+                             device=p.device)
+        for r in range(0, rows.shape[0], step):
+            e = min(r + step, rows.shape[0])
+            torch.mean(torch.square(rows[r:e], out=square[: e - r]), dim=1, out=rms[r:e])
+        reach = rms.sqrt_().mul_(trust / lr).repeat_interleave(idx.shape[1])
+        steps = torch.minimum(steps, torch.maximum(a1.sqrt(), reach))
+    keep = torch.pow(beta1, a1)  # beta1^(a+1); 0 when beta1 = 0
+    m_sel.mul_(keep).addcmul_(1.0 - keep, gbar)
+    if weight_decay != 0.0:
+        p_sel.mul_(a1.mul(math.log1p(-lr * weight_decay)).exp_())
+    p_sel.addcmul_(m_sel / denom, steps, value=-lr)
+    p.index_copy_(0, flat, p_sel)
+    m.index_copy_(0, flat, m_sel)
+    age.add_(1)
+    age.index_fill_(0, flat, 0)
+    if model_out is not None:
+        model_out.copy_(p_sel)

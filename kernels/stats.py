@@ -22,8 +22,15 @@ from __future__ import annotations
 
 import torch
 
-from . import reference
-from ._checks import FLOAT_DTYPES, check_numel, check_same_device, check_tensor, use_triton
+from . import reference, stats_torch
+from ._checks import (
+    FLOAT_DTYPES,
+    check_numel,
+    check_same_device,
+    check_tensor,
+    use_compiled,
+    use_triton,
+)
 from ._triton import tl, triton
 
 
@@ -154,8 +161,34 @@ def noise_ema_(buf: torch.Tensor, prev: torch.Tensor, age: torch.Tensor, s2: tor
     if use_triton(buf):
         return noise_ema_triton(buf, prev, age, s2, s2w, float(beta), bool(error_feedback),
                                 mu)
-    reference.noise_ema_(buf, prev, age, s2, s2w, beta=float(beta),
-                         error_feedback=bool(error_feedback), mu=mu)
+    if mu is not None and error_feedback and use_compiled(buf):
+        return stats_torch.compiled_noise_ema_(buf, prev, age, s2, s2w, beta=float(beta), mu=mu)
+    torch_path = stats_torch if buf.device.type == "cpu" else reference
+    torch_path.noise_ema_(buf, prev, age, s2, s2w, beta=float(beta),
+                          error_feedback=bool(error_feedback), mu=mu)
+
+
+@triton.jit
+def _gain(p_mu, p_s2, p_s2w, p_prev, offs, m_n, b_age, span, var_m_scale,
+          HAS_PREV: tl.constexpr):
+    """The gain score of the entries ``offs`` (``b_age`` their int32 ages, loaded by the
+    caller): shared by :func:`_gain_score_kernel` and the fused selection
+    (``scape.kernels.select``), so both rank the same fp32 values."""
+    b_w = tl.maximum(tl.load(p_s2w + offs, mask=m_n, other=1.0), 1e-12)
+    b_ema = tl.load(p_mu + offs, mask=m_n, other=0.0) / b_w
+    b_var = tl.maximum(tl.load(p_s2 + offs, mask=m_n, other=0.0) / b_w - b_ema * b_ema, 0.0)
+    b_a = b_age.to(tl.float32)
+    if HAS_PREV:  # the owner's gradient summed over the wait (nothing yet where age == 0)
+        b_prev = tl.load(p_prev + offs, mask=m_n, other=0.0)
+        b_cover = span + b_a
+        b_mean = (b_ema * span + tl.where(b_a > 0.0, b_prev, 0.0)) / b_cover
+        b_noise = b_var / b_cover
+    else:
+        b_mean = b_ema
+        b_noise = b_var / span
+    b_sig = tl.sqrt(tl.maximum(b_mean * b_mean - b_noise, 0.0))
+    b_frac = tl.math.erf(b_sig / tl.sqrt(b_var * (2.0 * var_m_scale) + 1e-30))
+    return b_sig * tl.maximum(b_frac * (b_a + 1.0), 1.0)
 
 
 @triton.jit
@@ -163,21 +196,9 @@ def _gain_score_kernel(p_mu, p_s2, p_s2w, p_age, p_prev, p_out, n, span, var_m_s
                        HAS_PREV: tl.constexpr, TILE: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * TILE + tl.arange(0, TILE)
     m_n = offs < n
-    b_w = tl.maximum(tl.load(p_s2w + offs, mask=m_n, other=1.0), 1e-12)
-    b_ema = tl.load(p_mu + offs, mask=m_n, other=0.0) / b_w
-    b_var = tl.maximum(tl.load(p_s2 + offs, mask=m_n, other=0.0) / b_w - b_ema * b_ema, 0.0)
-    b_age = tl.load(p_age + offs, mask=m_n, other=0).to(tl.float32)
-    if HAS_PREV:  # the owner's gradient summed over the wait (nothing yet where age == 0)
-        b_prev = tl.load(p_prev + offs, mask=m_n, other=0.0)
-        b_cover = span + b_age
-        b_mean = (b_ema * span + tl.where(b_age > 0.0, b_prev, 0.0)) / b_cover
-        b_noise = b_var / b_cover
-    else:
-        b_mean = b_ema
-        b_noise = b_var / span
-    b_sig = tl.sqrt(tl.maximum(b_mean * b_mean - b_noise, 0.0))
-    b_frac = tl.math.erf(b_sig / tl.sqrt(b_var * (2.0 * var_m_scale) + 1e-30))
-    tl.store(p_out + offs, b_sig * tl.maximum(b_frac * (b_age + 1.0), 1.0), mask=m_n)
+    b_age = tl.load(p_age + offs, mask=m_n, other=0)
+    tl.store(p_out + offs, _gain(p_mu, p_s2, p_s2w, p_prev, offs, m_n, b_age, span,
+                                 var_m_scale, HAS_PREV), mask=m_n)
 
 
 GAIN_TILE = 2048
@@ -185,19 +206,31 @@ GAIN_TILE = 2048
 
 def gain_score_triton(mu: torch.Tensor, s2: torch.Tensor, s2w: torch.Tensor,
                       age: torch.Tensor, prev: torch.Tensor | None, span: float,
-                      var_m_scale: float) -> torch.Tensor:
+                      var_m_scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
     """Launch :func:`_gain_score_kernel` (arguments already validated)."""
     n = mu.numel()
-    out = torch.empty_like(mu)
+    out = torch.empty_like(mu) if out is None else out
     _gain_score_kernel[(triton.cdiv(n, GAIN_TILE),)](
         mu, s2, s2w, age, mu if prev is None else prev, out, n, span, var_m_scale,
         HAS_PREV=prev is not None, TILE=GAIN_TILE, num_warps=8)
     return out
 
 
+def gain_factors(beta: float, beta1: float, world: int) -> tuple[float, float]:
+    """``(span, var_m_scale)`` of :func:`gain_score`, validated: the steps the EMA covers,
+    ``(1 + beta) / (1 - beta)``, and ``(1 - beta1) / (1 + beta1) / world``."""
+    for name, b in (("beta", beta), ("beta1", beta1)):
+        if isinstance(b, bool) or not isinstance(b, (int, float)) or not 0.0 <= b < 1.0:
+            raise ValueError(f"{name} must be a float in [0, 1), got {b!r}")
+    if isinstance(world, bool) or not isinstance(world, int) or world < 1:
+        raise ValueError(f"world must be an int >= 1, got {world!r}")
+    return (1.0 + beta) / (1.0 - beta), (1.0 - beta1) / (1.0 + beta1) / world
+
+
 def gain_score(mu: torch.Tensor, s2: torch.Tensor, s2w: torch.Tensor, age: torch.Tensor, *,
                beta: float, beta1: float, world: int,
-               prev: torch.Tensor | None = None) -> torch.Tensor:
+               prev: torch.Tensor | None = None,
+               out: torch.Tensor | None = None) -> torch.Tensor:
     """Per coordinate, what sending it now is worth (``scape.rules.gain_score``), a new fp32
     tensor; the inputs are those :func:`noise_ema_` keeps (fp32 1-D, one length; ``age``
     int32) and are not written::
@@ -213,7 +246,8 @@ def gain_score(mu: torch.Tensor, s2: torch.Tensor, s2w: torch.Tensor, age: torch
     ``beta`` is the EMAs' factor, ``beta1`` AdamS's, ``world`` the number of ranks (each
     rank's gradient is one of ``world`` equal parts of the mean). ``prev``, if given, is the
     owner's own gradient summed over each coordinate's wait (``age`` steps;
-    ``scape.rules.gain_score_residual``).
+    ``scape.rules.gain_score_residual``). ``out`` (fp32, same length), if given, receives the
+    score and is returned: a caller that scores every step reuses one buffer.
     """
     check_tensor("mu", mu, dtypes=(torch.float32,), ndim=1)
     n = mu.numel()
@@ -225,16 +259,21 @@ def gain_score(mu: torch.Tensor, s2: torch.Tensor, s2w: torch.Tensor, age: torch
     check_numel("age", age, n, "same length as mu")
     check_same_device(mu=mu, s2=s2, s2w=s2w, age=age,
                       **({"prev": prev} if prev is not None else {}))
-    for name, b in (("beta", beta), ("beta1", beta1)):
-        if isinstance(b, bool) or not isinstance(b, (int, float)) or not 0.0 <= b < 1.0:
-            raise ValueError(f"{name} must be a float in [0, 1), got {b!r}")
-    if isinstance(world, bool) or not isinstance(world, int) or world < 1:
-        raise ValueError(f"world must be an int >= 1, got {world!r}")
-    span = (1.0 + beta) / (1.0 - beta)
-    var_m_scale = (1.0 - beta1) / (1.0 + beta1) / world
+    if out is not None:
+        check_tensor("out", out, dtypes=(torch.float32,), ndim=1)
+        check_numel("out", out, n, "same length as mu")
+        check_same_device(mu=mu, out=out)
+    span, var_m_scale = gain_factors(beta, beta1, world)
     if n == 0:
-        return torch.empty_like(mu)
+        return torch.empty_like(mu) if out is None else out
     if use_triton(mu):
-        return gain_score_triton(mu, s2, s2w, age, prev, span, var_m_scale)
-    return reference.gain_score(mu, s2, s2w, age, span=span, var_m_scale=var_m_scale,
-                                prev=prev)
+        return gain_score_triton(mu, s2, s2w, age, prev, span, var_m_scale, out)
+    if prev is not None and use_compiled(mu):
+        return stats_torch.compiled_gain_score(mu, s2, s2w, age, span=span,
+                                               var_m_scale=var_m_scale, prev=prev, out=out)
+    if mu.device.type == "cpu":
+        return stats_torch.gain_score(mu, s2, s2w, age, span=span, var_m_scale=var_m_scale,
+                                      prev=prev, out=out)
+    score = reference.gain_score(mu, s2, s2w, age, span=span, var_m_scale=var_m_scale,
+                                 prev=prev)
+    return score if out is None else out.copy_(score)

@@ -48,7 +48,12 @@ from ._triton import tl, triton
 @triton.jit
 def _score_key(p_score, offs):
     """Order-preserving int32 image of |score|: float bits with the sign cleared; NaN -> -1."""
-    x = tl.load(p_score + offs).to(tl.float32)
+    return _key_of(tl.load(p_score + offs).to(tl.float32))
+
+
+@triton.jit
+def _key_of(x):
+    """:func:`_score_key` of fp32 values already in registers."""
     bits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
     return tl.where(bits > 0x7F800000, -1, bits)
 
@@ -94,13 +99,25 @@ def _topk_resident(p_score, p_age, p_idx, k, k_explore, BLOCK_SIZE: tl.constexpr
                    HAS_EXPLORE: tl.constexpr):
     """The whole block in registers: load once, search, compact."""
     offs = tl.arange(0, BLOCK_SIZE)
-    k_top = k - k_explore
     key = _score_key(p_score, offs)
+    if HAS_EXPLORE:
+        b_age = tl.load(p_age + offs)
+    else:
+        b_age = key
+    _select_resident(key, b_age, p_idx, k, k_explore, BLOCK_SIZE, HAS_EXPLORE)
+
+
+@triton.jit
+def _select_resident(key, b_age, p_idx, k, k_explore, BLOCK_SIZE: tl.constexpr,
+                     HAS_EXPLORE: tl.constexpr):
+    """Search and compact a block held in registers: ``key`` the int32 images of ``|score|``,
+    ``b_age`` the ages (unused without explore)."""
+    offs = tl.arange(0, BLOCK_SIZE)
+    k_top = k - k_explore
     t_top = _threshold(key, k_top, offs >= 0)
     need_top = k_top - tl.sum((key > t_top).to(tl.int32), axis=0)
     m_sel, _ = _top_selected(key, t_top, need_top, 0)
     if HAS_EXPLORE:
-        b_age = tl.load(p_age + offs)
         free = ~m_sel
         t_age = _threshold(b_age, k_explore, free)
         need_age = k_explore - tl.sum(((b_age > t_age) & free).to(tl.int32), axis=0)

@@ -300,15 +300,19 @@ class SCAPE(ShardedOptimizer):
             mask_state.k, mask_state.k_explore = block_budget(
                 self.param_groups[b.group]["sparsity"], self.block_size, self.explore)
             with phase("scape/mask", b.device):
-                if self.rule.score is None:
-                    score = s.m
-                elif self.rule.score_reads_hp:
-                    score = self.rule.score(s, self._hp(b))
+                if self.rule.select is not None:  # score and selection fused
+                    idx = self.rule.select(s, self._hp(b), mask_state.k, mask_state.k_explore,
+                                           self.block_size)
                 else:
-                    score = self.rule.score(s)
-                idx = blockwise_topk(score, mask_state.k, self.block_size,
-                                     age=s.age if mask_state.k_explore else None,
-                                     k_explore=mask_state.k_explore)
+                    if self.rule.score is None:
+                        score = s.m
+                    elif self.rule.score_reads_hp:
+                        score = self.rule.score(s, self._hp(b))
+                    else:
+                        score = self.rule.score(s)
+                    idx = blockwise_topk(score, mask_state.k, self.block_size,
+                                         age=s.age if mask_state.k_explore else None,
+                                         k_explore=mask_state.k_explore)
                 age_blocks = s.age.view(mask_state.n_local, self.block_size)
                 diag = self.diagnostics[i]
                 diag["mask_overlap"] = (age_blocks.gather(1, idx.long()) == 0).float().mean()

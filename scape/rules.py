@@ -35,7 +35,8 @@ that change (otherwise the ranks' models drift apart).
 ``score(shard) -> Tensor`` (length S): the next mask takes, per block, the largest ``|score|``
 (default: the first moment ``m``, DESIGN §1 step 4), and a fraction ``explore`` of each
 block's budget by age. A rule with ``score_reads_hp`` gets the hyperparameters too:
-``score(shard, hp)``.
+``score(shard, hp)``. A rule with ``select`` makes that mask itself, the score and the
+selection fused (the gain rules: one kernel on a GPU, :func:`scape.kernels.gain_topk`).
 
 Optional seams, each free of communication: ``observe(shard, buf, error_feedback)`` sees the
 owner's slice of its own gradient buffer at the start of every step (local statistics, kept
@@ -54,7 +55,9 @@ from typing import Any
 import torch
 
 from scape.kernels import adams_sparse_, noise_ema_
+from scape.kernels import catchup_agree_ as kernel_catchup_agree_
 from scape.kernels import gain_score as kernel_gain_score
+from scape.kernels import gain_topk as kernel_gain_topk
 
 
 @dataclasses.dataclass
@@ -65,6 +68,15 @@ class ShardState:
     m: torch.Tensor
     age: torch.Tensor
     extra: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    work: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict, repr=False)
+    """Buffers a rule reuses from step to step (its score): not state, never saved."""
+
+    def buffer(self, name: str) -> torch.Tensor:
+        """The fp32 shard-sized buffer ``work[name]``, allocated on first use."""
+        t = self.work.get(name)
+        if t is None or t.numel() != self.master.numel() or t.device != self.master.device:
+            t = self.work[name] = torch.empty_like(self.master)
+        return t
 
 
 UpdateFn = Callable[[ShardState, torch.Tensor, torch.Tensor, int, dict, torch.Tensor], None]
@@ -98,11 +110,15 @@ class Rule:
     error_feedback: bool = True
     """Keep what a sparse step did not send in the gradient buffer for later steps (False:
     drop it, so ``g`` is this step's gradient alone)."""
+    select: Callable[..., torch.Tensor] | None = None
+    """Makes the next mask itself, ``select(shard, hp, k, k_explore, block_size)`` -> int16
+    ``[n_blocks, k]`` offsets: the mask ``blockwise_topk`` would take from ``score``, with the
+    two fused (:func:`gain_select_residual`). None: ``blockwise_topk`` of ``score``."""
 
     def __post_init__(self) -> None:
         if not callable(self.update):
             raise TypeError(f"Rule.update must be callable, got {type(self.update).__name__}")
-        for name in ("score", "observe", "reset"):
+        for name in ("score", "observe", "reset", "select"):
             fn = getattr(self, name)
             if fn is not None and not callable(fn):
                 raise TypeError(f"Rule.{name} must be callable or None, got "
@@ -233,11 +249,13 @@ def gain_score(shard: ShardState, hp: dict) -> torch.Tensor:
     for ``explore``. The owner's mean is that of its own share of the batch, so the reading
     is noisier the more ranks share it (measured on 4 ranks; one process fed the global
     batch reads it better than any rank could). One fused pass on a GPU
-    (:func:`scape.kernels.gain_score`, 20 bytes per coordinate).
+    (:func:`scape.kernels.gain_score`, 20 bytes per coordinate). The score is written into
+    the shard's buffer ``work["score"]`` and returned: the next call overwrites it.
     """
     ex = shard.extra
     return kernel_gain_score(ex["mu"], ex["s2"], ex["s2w"], shard.age, beta=NOISE_BETA,
-                             beta1=hp["beta1"], world=hp.get("world", 1))
+                             beta1=hp["beta1"], world=hp.get("world", 1),
+                             out=shard.buffer("score"))
 
 
 def gain_score_residual(shard: ShardState, hp: dict) -> torch.Tensor:
@@ -252,7 +270,29 @@ def gain_score_residual(shard: ShardState, hp: dict) -> torch.Tensor:
     (:func:`scape.kernels.gain_score` with ``prev``, 24 bytes per coordinate)."""
     ex = shard.extra
     return kernel_gain_score(ex["mu"], ex["s2"], ex["s2w"], shard.age, beta=NOISE_BETA,
-                             beta1=hp["beta1"], world=hp.get("world", 1), prev=ex["prev"])
+                             beta1=hp["beta1"], world=hp.get("world", 1), prev=ex["prev"],
+                             out=shard.buffer("score"))
+
+
+def gain_select(shard: ShardState, hp: dict, k: int, k_explore: int,
+                block_size: int) -> torch.Tensor:
+    """The mask of largest :func:`gain_score`: one kernel on a GPU
+    (:func:`scape.kernels.gain_topk`), the score never stored; on the CPU the score (into
+    the shard's buffer) and ``blockwise_topk``."""
+    ex = shard.extra
+    return kernel_gain_topk(ex["mu"], ex["s2"], ex["s2w"], shard.age, k, block_size,
+                            k_explore=k_explore, beta=NOISE_BETA, beta1=hp["beta1"],
+                            world=hp.get("world", 1), out=shard.buffer("score"))
+
+
+def gain_select_residual(shard: ShardState, hp: dict, k: int, k_explore: int,
+                         block_size: int) -> torch.Tensor:
+    """:func:`gain_select` of :func:`gain_score_residual` (the default's masks)."""
+    ex = shard.extra
+    return kernel_gain_topk(ex["mu"], ex["s2"], ex["s2w"], shard.age, k, block_size,
+                            k_explore=k_explore, beta=NOISE_BETA, beta1=hp["beta1"],
+                            world=hp.get("world", 1), prev=ex["prev"],
+                            out=shard.buffer("score"))
 
 
 def catchup_snr(shard: ShardState, g: torch.Tensor, idx: torch.Tensor, block_size: int,
@@ -322,9 +362,15 @@ def catchup_agree(shard: ShardState, g: torch.Tensor, idx: torch.Tensor, block_s
     however long it waited. Floor one step. ``trust=c`` bounds the displacement by ``c`` times
     the RMS of the coordinate's block of weights, never below the square-root rule:
     ``n <= max(sqrt(a+1), c * rms_b / lr)`` (a stale mean is trusted on the scale of the
-    weights, not beyond). ``mu^2``, ``sigma^2`` and the rest as :func:`catchup_snr`.
+    weights, not beyond). ``mu^2``, ``sigma^2`` and the rest as :func:`catchup_snr`, whose
+    ``agree=True`` form it equals bit for bit on the CPU. One fused kernel on a GPU
+    (:func:`scape.kernels.catchup_agree_`).
     """
-    catchup_snr(shard, g, idx, block_size, hp, model_out, agree=True, trust=trust)
+    ex = shard.extra
+    kernel_catchup_agree_(shard.master, shard.m, shard.age, ex["s2"], ex["s2w"], g, idx,
+                          block_size, lr=hp["lr"], beta1=hp["beta1"], beta2=hp["beta2"],
+                          eps=hp["eps"], weight_decay=hp["weight_decay"],
+                          world=hp.get("world", 1), trust=trust, model_out=model_out)
 
 
 GAIN_SCORES: tuple[ScoreFn, ...] = (gain_score, gain_score_residual)
@@ -342,7 +388,11 @@ def noise_sized(update: UpdateFn, score: ScoreFn | None = accumulated_score, **k
 def gain_selected(update: UpdateFn, score: ScoreFn = gain_score_residual, **kw: Any) -> Rule:
     """A noise-sized rule whose masks take the coordinates of largest gain (``score``, one of
     :data:`GAIN_SCORES`): it keeps :data:`GAIN_STATE` (16 B per coordinate) through
-    :func:`observe_local_moments`. ``kw``: other :class:`Rule` fields."""
+    :func:`observe_local_moments`, and makes its masks with the score and the selection
+    fused (:func:`gain_select`, :func:`gain_select_residual`). ``kw``: other :class:`Rule`
+    fields."""
+    fused = {gain_score: gain_select, gain_score_residual: gain_select_residual}
+    kw.setdefault("select", fused.get(score))
     return Rule(update, score, observe=observe_local_moments, extra=GAIN_STATE,
                 reset=reset_local_noise, score_reads_hp=True, **kw)
 

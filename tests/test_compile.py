@@ -26,7 +26,7 @@ DTYPES = ("fp32", "bf16")
 
 def _specs(dt: str) -> list[tuple[str, object, dict, dict, int]]:
     """(label, kernel, signature, constexprs, num_warps) as the launchers configure them."""
-    from scape.kernels import moments, sparse, stats, topk
+    from scape.kernels import catchup, moments, select, sparse, stats, topk
 
     specs = []
     for block in (4096, 8192, 32768):
@@ -92,6 +92,27 @@ def _specs(dt: str) -> list[tuple[str, object, dict, dict, int]]:
                 "p_prev": "*fp32", "p_out": "*fp32", "n": "i32", "span": "fp32",
                 "var_m_scale": "fp32", "HAS_PREV": "constexpr", "TILE": "constexpr"},
                {"HAS_PREV": has_prev, "TILE": stats.GAIN_TILE}, 8) for has_prev in (False, True)]
+    catchup_sig = {"p_p": "*fp32", "p_m": "*fp32", "p_age": "*i32", "p_s2": "*fp32",
+                   "p_s2w": "*fp32", "p_g": f"*{dt}", "p_idx": "*i16", "p_out": f"*{dt}",
+                   "k": "i32", **{n: "fp32" for n in ("lr", "beta2", "eps", "world",
+                                                       "var_m_ratio", "log_beta1",
+                                                       "log_decay", "reach_scale")},
+                   **{n: "constexpr" for n in ("BLOCK_SIZE", "CHUNK", "K_TILE", "HAS_TRUST",
+                                               "HAS_DECAY", "HAS_OUT")}}
+    for block, k in ((4096, 41), (32768, 3277)):
+        ccfg = catchup.catchup_config(block, k)
+        specs.append((f"catchup_agree_ B={block}", catchup._catchup_agree_kernel, catchup_sig,
+                      {"BLOCK_SIZE": block, "CHUNK": ccfg["CHUNK"], "K_TILE": ccfg["K_TILE"],
+                       "HAS_TRUST": True, "HAS_DECAY": True, "HAS_OUT": True},
+                      ccfg["num_warps"]))
+    for block in (4096, 8192):
+        specs.append((f"gain_topk B={block}", select._gain_topk_kernel,
+                      {"p_mu": "*fp32", "p_s2": "*fp32", "p_s2w": "*fp32", "p_age": "*i32",
+                       "p_prev": "*fp32", "p_idx": "*i16", "k": "i32", "k_explore": "i32",
+                       "span": "fp32", "var_m_scale": "fp32", "BLOCK_SIZE": "constexpr",
+                       "HAS_PREV": "constexpr", "HAS_EXPLORE": "constexpr"},
+                      {"BLOCK_SIZE": block, "HAS_PREV": True, "HAS_EXPLORE": True},
+                      select.gain_topk_warps(block)))
     return specs
 
 

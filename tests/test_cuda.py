@@ -263,6 +263,59 @@ def test_gain_score_matches_float64():
     torch.testing.assert_close(_cpu(out).double(), want, rtol=1e-4, atol=1e-6)
 
 
+def test_catchup_agree_matches_cpu():
+    """The default's catch-up compiled, against the CPU twin at a realistic size: the same
+    formulas in fp32 (erf, exp and the block RMS's summation order differ), ages and the
+    untouched coordinates exact, model_out the exact cast of the new p."""
+    block_size, n_blocks, k = 4096, 256, 41
+    n = block_size * n_blocks
+    gen = seeded("cuda-catchup")
+    p0 = torch.randn(n, generator=gen)
+    m0 = torch.randn(n, generator=gen) * 1e-2
+    s2w = torch.rand(n, generator=gen) * 0.5 + 0.5
+    s2 = (m0 ** 2 + torch.rand(n, generator=gen) * 1e-4) * s2w
+    age0 = torch.randint(0, 200, (n,), generator=gen, dtype=torch.int32)
+    idx = random_mask(n_blocks, block_size, k, gen)
+    g = torch.randn(n_blocks * k, generator=gen) * 0.05
+    hp = dict(lr=3e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
+    p, m, age = p0.to(DEV, copy=True), m0.to(DEV, copy=True), age0.to(DEV, copy=True)
+    out = nan_empty(n_blocks * k, BF16, DEV)
+    kernels.catchup_agree_(p, m, age, s2.to(DEV), s2w.to(DEV), g.to(DEV), idx.to(DEV),
+                           block_size, **hp, world=8, trust=0.5, model_out=out)
+    cp, cm, cage = p0.clone(), m0.clone(), age0.clone()
+    kernels.catchup_agree_(cp, cm, cage, s2, s2w, g, idx, block_size, **hp, world=8,
+                           trust=0.5)
+    torch.testing.assert_close(_cpu(p), cp, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(_cpu(m), cm, rtol=1e-5, atol=1e-8)
+    assert torch.equal(_cpu(age), cage)
+    flat = flat_positions(idx, block_size)
+    assert_cast_equal(_cpu(out), _cpu(p)[flat], "model_out")
+
+
+def test_gain_topk_is_the_mask_of_the_score():
+    """The fused mask against the score's mask on the GPU (one shared score helper: the same
+    fp32 values), and against the CPU's (its own rounding: equal in almost every block)."""
+    block_size, n_blocks, k, k_explore = 4096, 512, 41, 4
+    n = block_size * n_blocks
+    gen = seeded("cuda-gain-topk")
+    mu, s2, s2w, age = gain_inputs(gen, n)
+    prev = torch.randn(n, generator=gen) * 0.05
+    kw = dict(beta=0.95, beta1=0.9, world=8)
+    d = [t.to(DEV) for t in (mu, s2, s2w, age, prev)]
+    fused = _cpu(kernels.gain_topk(*d[:4], k, block_size, k_explore=k_explore, prev=d[4],
+                                   **kw))
+    score = kernels.gain_score(*d[:4], prev=d[4], **kw)
+    two = _cpu(kernels.blockwise_topk(score, k, block_size, age=d[3], k_explore=k_explore))
+    rows = fused.long()
+    assert bool((rows[:, 1:] > rows[:, :-1]).all())
+    same = (fused == two).all(dim=1).float().mean().item()
+    assert same >= 0.999, f"fused mask equals the score's in {same:.4f} of the blocks"
+    cpu = kernels.gain_topk(mu, s2, s2w, age, k, block_size, k_explore=k_explore, prev=prev,
+                            **kw)
+    same_cpu = (fused == cpu).all(dim=1).float().mean().item()
+    assert same_cpu >= 0.95, f"GPU and CPU masks equal in {same_cpu:.3f} of the blocks"
+
+
 @pytest.mark.parametrize("bits", [2, 4, 8])
 def test_pack_unpack_match_cpu_bitwise(bits):
     n, group = 64 * 1000 + 64, 64
@@ -340,10 +393,11 @@ def test_nccl_single_rank_equals_torch_communicator():
     assert l_nccl == l_torch
 
 
-@pytest.mark.parametrize("update,kernel", [(None, "_noise_ema_kernel"),
-                                           ("catchup_sqrt_accum", "_adams_sparse_kernel")],
-                         ids=["default", "sqrt"])
-def test_step_launches_triton_kernels_and_balances_nvtx(monkeypatch, update, kernel):
+@pytest.mark.parametrize("update,launched", [
+    (None, ("_noise_ema_kernel", "_catchup_agree_kernel", "_gain_topk_kernel")),
+    ("catchup_sqrt_accum", ("_adams_sparse_kernel", "_blockwise_topk_kernel"))],
+    ids=["default", "sqrt"])
+def test_step_launches_triton_kernels_and_balances_nvtx(monkeypatch, update, launched):
     model = _mlp(DEV)
     opt = scape.SCAPE(model.parameters(), lr=1e-2, sparsity=0.99, block_size=256,
                       warmup_steps=1, **({"update": update} if update else {}))
@@ -368,7 +422,7 @@ def test_step_launches_triton_kernels_and_balances_nvtx(monkeypatch, update, ker
         step()
         torch.cuda.synchronize()
     names = {e.name for e in prof.events()}
-    for k in ("_blockwise_topk_kernel", "_take_kernel", kernel):
+    for k in ("_take_kernel", *launched):
         assert any(k in nm for nm in names), f"{k} not launched; saw {sorted(names)}"
     assert len(ranges) == len(pops) > 0, (ranges, len(pops))
     assert set(ranges) <= set(PHASES), set(ranges) - set(PHASES)

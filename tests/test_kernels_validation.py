@@ -7,7 +7,16 @@ import pytest
 import torch
 
 from scape import kernels
-from scape.kernels import moments, reference, sparse, stats, topk, topk_torch
+from scape.kernels import (
+    catchup,
+    moments,
+    reference,
+    sparse,
+    stats,
+    stats_torch,
+    topk,
+    topk_torch,
+)
 
 B = 256
 N = 2 * B
@@ -209,10 +218,13 @@ LAUNCHES = [
     (moments, "adamw_dense_triton", reference, "adamw_dense_",
      lambda: kernels.adamw_dense_(_f(), _f(), _f(), _f(), step=1, **HP)),
     (stats, "grad_stats_triton", reference, "grad_stats", lambda: kernels.grad_stats(_f())),
-    (stats, "noise_ema_triton", reference, "noise_ema_",
+    (stats, "noise_ema_triton", stats_torch, "noise_ema_",
      lambda: kernels.noise_ema_(_f(), _f(), _age(), _f(), _f(), beta=0.9, error_feedback=True)),
-    (stats, "gain_score_triton", reference, "gain_score",
+    (stats, "gain_score_triton", stats_torch, "gain_score",
      lambda: kernels.gain_score(_f(), _f(), _f(), _age(), beta=0.95, beta1=0.9, world=2)),
+    (catchup, "catchup_agree_triton", reference, "catchup_agree_",
+     lambda: kernels.catchup_agree_(_f(), _f(), _age(), _f(), _f(), _f(8), _idx(), B, **HP,
+                                    world=2, trust=0.5)),
 ]
 
 
