@@ -39,7 +39,7 @@ ratio, bytes ratio and speed-up in one line. Outputs in ``--out`` (default ``out
 (``--device auto``, the default, or ``cuda``) both legs run on the GPUs with NCCL and the
 Triton kernels; without, they run on the CPU and say so.
 
-    python -m bench.compare                      # both legs (about 13 minutes on 2 cores)
+    python -m bench.compare                      # both legs (about 10 minutes on 2 cores)
     python -m bench.compare --quick              # tiny model, W=2, both legs in under 2 min
     python -m bench.compare --leg speed --bandwidth 1gbit
     python -m bench.compare --optimizers adams scape-0.99 compute_only --steps 1000
@@ -321,9 +321,15 @@ def main(argv: list[str] | None = None) -> int:
                 p.cfg, os.path.join(args.out, "runs", p.leg, f"{p.cfg.label}.json"),
                 bandwidth if p.leg == "speed" else None, tracker.step))
             tracker.finish(p)
-    finally:
+    except BaseException:
         tracker.close()
-    env["device_name"] = next(r for rs in results.values() for r in rs).get("device", "cpu")
+        done = sum(len(rs) for rs in results.values())
+        print(f"stopped: {done} of {len(plan)} runs finished; their results are in "
+              f"{os.path.join(args.out, 'runs')}/", flush=True)
+        raise
+    tracker.close()
+    env["device_name"] = next((r.get("device", "cpu") for rs in results.values() for r in rs),
+                              device)
     report = build_report(argv, legs, results, env, link, warnings,
                           time.perf_counter() - started, args.profile, args.quick,
                           args.lr is not None)

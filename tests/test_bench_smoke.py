@@ -244,3 +244,17 @@ def test_comm_volume_smoke(tmp_path):
         assert r["k"] == r["n_pad"] // 4096 * max(1, round((1 - sp) * 4096))
         assert r["bytes_per_step"] == r["k"] * (2 + 2 + 2) + 8
         assert r["bytes_per_step"] == pytest.approx(r["design_formula"], abs=8)
+
+
+@pytest.mark.timeout(120)
+def test_compare_failed_run_says_what_is_kept(tmp_path):
+    """A run that fails (here: past its deadline) stops the job with the run's error and says
+    where the finished runs' results are."""
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    proc = subprocess.run([sys.executable, "-m", "bench.compare", "--quick", "--leg", "speed",
+                           "--bandwidth", "none", "--optimizers", "adams", "--timeout", "0.5",
+                           "--out", str(tmp_path / "out")], cwd=ROOT, env=env, timeout=100,
+                          capture_output=True, text=True)
+    assert proc.returncode != 0
+    assert "stopped: 0 of 1 runs finished; their results are in" in proc.stdout
+    assert "adams failed" in proc.stderr and not (tmp_path / "out" / "report.json").exists()
