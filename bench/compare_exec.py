@@ -3,8 +3,8 @@ shaped network namespace when asked), and one progress line with an ETA for the 
 
 The ETA comes from a cost model per step that the runs themselves calibrate: every run
 belongs to a class (the quality leg; the speed leg's dense rows, which wait on the shaped
-link; its sparse rows), the first run of a class is estimated from the others, and each
-finished step replaces the estimate of its class by the measured rate.
+link; its sparse rows), each class starts from a guess (:func:`bench.compare._guess`), and
+each step a run reports replaces its class's estimate by the rate measured in that run.
 """
 
 from __future__ import annotations
