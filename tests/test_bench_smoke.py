@@ -103,9 +103,9 @@ def test_compare_quick(tmp_path):
     assert by_s["scape-0.99"]["optimizer_settings"]["warmup_steps"] == 2
     # bytes: DDP counts 2 x its fp32 gradient buckets; SCAPE's equal the library's own record
     world = speed["workload"]["world"]
-    dense, sparse99 = _library_bytes(0.99, world)
+    sparse99 = _library_bytes(0.99, world)[1]
     assert by_s["adamw_ddp"]["bytes_per_step_total"] == 2 * 4 * report["params"]
-    assert by_s["adams"]["bytes_per_step_total"] == _library_bytes(0.0, world)[0] == dense
+    assert by_s["adams"]["bytes_per_step_total"] == _library_bytes(0.0, world)[0]
     assert by_s["scape-0.99"]["bytes_per_step_total"] == sparse99
     assert by_s["compute_only"]["bytes_per_step_total"] == sparse99
     table = {t["name"]: t for t in speed["table"]}
