@@ -19,9 +19,6 @@ from ._checks import (
     check_block_size,
     check_blocked,
     check_int,
-    check_numel,
-    check_same_device,
-    check_tensor,
     use_triton,
 )
 from ._triton import tl, triton
@@ -74,16 +71,7 @@ def gain_topk(mu: torch.Tensor, s2: torch.Tensor, s2w: torch.Tensor, age: torch.
     (``age`` is both the score's wait and the explore order). ``out``: where the two-kernel
     path (CPU tensors, larger blocks) writes the score, a buffer reused step to step.
     """
-    check_tensor("mu", mu, dtypes=(torch.float32,), ndim=1)
-    n = mu.numel()
-    named = (("s2", s2), ("s2w", s2w)) + ((("prev", prev),) if prev is not None else ())
-    for name, t in named:
-        check_tensor(name, t, dtypes=(torch.float32,), ndim=1)
-        check_numel(name, t, n, "same length as mu")
-    check_tensor("age", age, dtypes=(torch.int32,), ndim=1)
-    check_numel("age", age, n, "same length as mu")
-    check_same_device(mu=mu, s2=s2, s2w=s2w, age=age,
-                      **({"prev": prev} if prev is not None else {}))
+    stats.check_gain_inputs(mu, s2, s2w, age, prev)
     block_size = check_block_size(block_size)
     check_blocked("mu", mu, block_size)
     k = check_int("k", k, 1, block_size)

@@ -227,6 +227,24 @@ def gain_factors(beta: float, beta1: float, world: int) -> tuple[float, float]:
     return (1.0 + beta) / (1.0 - beta), (1.0 - beta1) / (1.0 + beta1) / world
 
 
+def check_gain_inputs(mu: torch.Tensor, s2: torch.Tensor, s2w: torch.Tensor,
+                      age: torch.Tensor, prev: torch.Tensor | None) -> int:
+    """The gain score's inputs (:func:`gain_score`, :func:`scape.kernels.gain_topk`): fp32
+    1-D ``mu``, ``s2``, ``s2w`` and ``prev`` (if given), int32 ``age``, one length and one
+    device; returns the length."""
+    check_tensor("mu", mu, dtypes=(torch.float32,), ndim=1)
+    n = mu.numel()
+    named = (("s2", s2), ("s2w", s2w)) + ((("prev", prev),) if prev is not None else ())
+    for name, t in named:
+        check_tensor(name, t, dtypes=(torch.float32,), ndim=1)
+        check_numel(name, t, n, "same length as mu")
+    check_tensor("age", age, dtypes=(torch.int32,), ndim=1)
+    check_numel("age", age, n, "same length as mu")
+    check_same_device(mu=mu, s2=s2, s2w=s2w, age=age,
+                      **({"prev": prev} if prev is not None else {}))
+    return n
+
+
 def gain_score(mu: torch.Tensor, s2: torch.Tensor, s2w: torch.Tensor, age: torch.Tensor, *,
                beta: float, beta1: float, world: int,
                prev: torch.Tensor | None = None,
@@ -249,16 +267,7 @@ def gain_score(mu: torch.Tensor, s2: torch.Tensor, s2w: torch.Tensor, age: torch
     ``scape.rules.gain_score_residual``). ``out`` (fp32, same length), if given, receives the
     score and is returned: a caller that scores every step reuses one buffer.
     """
-    check_tensor("mu", mu, dtypes=(torch.float32,), ndim=1)
-    n = mu.numel()
-    named = (("s2", s2), ("s2w", s2w)) + ((("prev", prev),) if prev is not None else ())
-    for name, t in named:
-        check_tensor(name, t, dtypes=(torch.float32,), ndim=1)
-        check_numel(name, t, n, "same length as mu")
-    check_tensor("age", age, dtypes=(torch.int32,), ndim=1)
-    check_numel("age", age, n, "same length as mu")
-    check_same_device(mu=mu, s2=s2, s2w=s2w, age=age,
-                      **({"prev": prev} if prev is not None else {}))
+    n = check_gain_inputs(mu, s2, s2w, age, prev)
     if out is not None:
         check_tensor("out", out, dtypes=(torch.float32,), ndim=1)
         check_numel("out", out, n, "same length as mu")
