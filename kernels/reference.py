@@ -160,6 +160,19 @@ def _log(x: float) -> float:
     return math.log(x) if x > 0.0 else -math.inf
 
 
+def _write_selected(p: torch.Tensor, m: torch.Tensor, age: torch.Tensor, flat: torch.Tensor,
+                    p_sel: torch.Tensor, m_sel: torch.Tensor,
+                    model_out: torch.Tensor | None) -> None:
+    """The end of a sparse update: the masked coordinates' new weights and moments back into
+    the shard, every age up by one and the masked ones reset, the new weights to the model."""
+    p.index_copy_(0, flat, p_sel)
+    m.index_copy_(0, flat, m_sel)
+    age.add_(1)
+    age.index_fill_(0, flat, 0)
+    if model_out is not None:
+        model_out.copy_(p_sel)
+
+
 def adams_sparse_(p: torch.Tensor, m: torch.Tensor, age: torch.Tensor, g: torch.Tensor,
                   idx: torch.Tensor, block_size: int, *, lr: float, beta1: float,
                   beta2: float, eps: float, weight_decay: float,
@@ -205,12 +218,7 @@ def adams_sparse_(p: torch.Tensor, m: torch.Tensor, age: torch.Tensor, g: torch.
         p_sel.addcmul_(m_sel / denom, a1 if catchup == 1.0 else a1.pow(catchup), value=-lr)
     else:
         p_sel.addcdiv_(m_sel, denom, value=-lr)
-    p.index_copy_(0, flat, p_sel)
-    m.index_copy_(0, flat, m_sel)
-    age.add_(1)
-    age.index_fill_(0, flat, 0)
-    if model_out is not None:
-        model_out.copy_(p_sel)
+    _write_selected(p, m, age, flat, p_sel, m_sel, model_out)
 
 
 def adamw_dense_(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, g: torch.Tensor, *,
@@ -335,9 +343,4 @@ def catchup_agree_(p: torch.Tensor, m: torch.Tensor, age: torch.Tensor, s2: torc
     if weight_decay != 0.0:
         p_sel.mul_(a1.mul(math.log1p(-lr * weight_decay)).exp_())
     p_sel.addcmul_(m_sel / denom, steps, value=-lr)
-    p.index_copy_(0, flat, p_sel)
-    m.index_copy_(0, flat, m_sel)
-    age.add_(1)
-    age.index_fill_(0, flat, 0)
-    if model_out is not None:
-        model_out.copy_(p_sel)
+    _write_selected(p, m, age, flat, p_sel, m_sel, model_out)
