@@ -11,11 +11,13 @@ import datetime
 from typing import Any
 
 from .base import CommError, Communicator, Work
+from .hierarchical import HierarchicalCommunicator
 from .nccl_backend import NcclCommunicator
 from .torch_backend import TorchCommunicator
 
 __all__ = ["Communicator", "Work", "TorchCommunicator", "NcclCommunicator", "CommError",
-           "init_communicator", "as_communicator"]
+           "HierarchicalCommunicator", "init_communicator", "init_hierarchical",
+           "as_communicator"]
 
 BACKENDS = ("auto", "torch", "nccl")
 
@@ -59,12 +61,33 @@ def as_communicator(comm: Any) -> Communicator:
     if dist.is_available() and isinstance(comm, dist.ProcessGroup):
         return TorchCommunicator(comm)
     if type(comm).__name__ == "DeviceMesh" and hasattr(comm, "get_group"):
+        if comm.ndim == 2:
+            return init_hierarchical(comm, "torch")
         if comm.ndim != 1:
             raise ValueError(f"comm: a DeviceMesh with {comm.ndim} dimensions; pass the "
-                             "data-parallel dimension (for example mesh['dp'])")
+                             "data-parallel dimensions: one (for example mesh['dp']) or two, "
+                             "replicate across nodes outermost and shard inside a node (for "
+                             "example mesh['dp_replicate', 'dp_shard'])")
         return TorchCommunicator(comm.get_group())
     raise TypeError("comm must be None, a scape.comm.Communicator, a torch.distributed "
-                    f"ProcessGroup or a one-dimensional DeviceMesh; got {type(comm).__name__}")
+                    "ProcessGroup or a DeviceMesh of the data-parallel dimensions; got "
+                    f"{type(comm).__name__}")
+
+
+def init_hierarchical(mesh: Any, backend: str = "auto", *,
+                      timeout: datetime.timedelta | float | None = None
+                      ) -> HierarchicalCommunicator:
+    """A :class:`HierarchicalCommunicator` on a two-dimensional ``DeviceMesh``: dimension 0
+    across nodes (FSDP2's *replicate*, outermost), dimension 1 inside a node (*shard*). Each
+    level gets its own communicator of ``backend`` (as :func:`init_communicator`: with
+    ``"nccl"``, one NCCL communicator per level)."""
+    if getattr(mesh, "ndim", None) != 2 or not hasattr(mesh, "get_group"):
+        raise ValueError("init_hierarchical: expected a two-dimensional DeviceMesh "
+                         "(replicate across nodes, shard inside a node), got "
+                         f"{type(mesh).__name__} with ndim={getattr(mesh, 'ndim', None)}")
+    inter = init_communicator(backend, group=mesh.get_group(0), timeout=timeout)
+    intra = init_communicator(backend, group=mesh.get_group(1), timeout=timeout)
+    return HierarchicalCommunicator(intra=intra, inter=inter)
 
 
 def _nccl_usable() -> bool:

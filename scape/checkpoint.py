@@ -31,11 +31,11 @@ _SHARD_TENSORS = ("master", "m", "age")
 def sharded_state(opt: Any, extra_per_bucket: list[dict[str, Any]]) -> dict[str, Any]:
     opt.check_usable()  # never save the state of a step whose collectives failed
     buckets = []
-    for b, s, extra in zip(opt.buckets, opt.shards, extra_per_bucket):
+    for i, (b, s, extra) in enumerate(zip(opt.buckets, opt.shards, extra_per_bucket)):
         entry = {"group": b.group, "dtype": str(b.dtype), "numel": b.numel, "n_pad": b.n_pad,
                  "shapes": [list(p.shape) for p in b.params],
                  "shard_start": b.shard_start, "shard_size": b.shard_size,
-                 "residual": b.grad_flat.detach().clone(),
+                 "residual": opt._residual(i),
                  "extra": {k: v.detach().clone() for k, v in s.extra.items()}}
         for name in _SHARD_TENSORS:
             entry[name] = getattr(s, name).detach().clone()

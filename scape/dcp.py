@@ -59,6 +59,8 @@ def _spans(b: Any) -> list[list[tuple[int, int]]]:
 
 
 def _global_ranks(comm: Any) -> list[int]:
+    if hasattr(comm, "global_ranks"):  # two levels (scape.comm.HierarchicalCommunicator)
+        return list(comm.global_ranks())
     group = getattr(comm, "group", None)
     if group is None or not dist.is_initialized():
         return list(range(comm.world_size))
@@ -187,8 +189,9 @@ def torch_state_dict(opt: Any, bucket_extras: list[dict[str, torch.Tensor | None
             pid[p] = len(pid)
     state: dict[int, dict[str, Any]] = {}
     buckets = []
-    for b, s, extras in zip(opt.buckets, opt.shards, bucket_extras):
+    for i, (b, s, extras) in enumerate(zip(opt.buckets, opt.shards, bucket_extras)):
         tensors = opt._state_tensors(s)
+        residual = opt._residual(i)
         for p, o, n, spans in zip(b.params, b.offsets, b.numels, _spans(b)):
             lo, hi = spans[rank]
             entry: dict[str, Any] = {}
@@ -202,7 +205,7 @@ def torch_state_dict(opt: Any, bucket_extras: list[dict[str, torch.Tensor | None
                                            [[c - a] for a, c in spans], [n], rank, ranks)
             if p is b.params[-1] and b.n_pad > b.numel:
                 entry["padding"] = _padding(b, tensors, rank, ranks)
-            own = b.grad_flat[o:o + n].detach().clone().view(1, n)
+            own = residual[o:o + n].view(1, n)
             entry["residual"] = own if world == 1 else _sharded(
                 own, [[r, 0] for r in range(world)], [[1, n]] * world, [world, n], rank, ranks)
             state[pid[p]] = entry

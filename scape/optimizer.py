@@ -32,13 +32,14 @@ import torch
 from scape import config, rules
 from scape.buffers import DENSE_ALIGN, Bucket
 from scape.checkpoint import load_sharded_state, sharded_state
-from scape.comm import Communicator
+from scape.comm import Communicator, HierarchicalCommunicator
 from scape.dcp import is_torch_state_dict, load_torch_state_dict, torch_state_dict
 from scape.kernels import adams_dense_, blockwise_topk, scatter_, take_
 from scape.optim_hooks import load_state_dict_hooks, state_dict_hooks
 from scape.profiling import phase
 from scape.rules import ShardState, block_budget
 from scape.sharded import ShardedOptimizer, _Pending
+from scape.two_level import NodeLevel
 
 DIAG_FULL_EVERY = 10
 """Diagnostics that read the whole shard (``updated_last_100``) refresh this often; the
@@ -129,6 +130,10 @@ class SCAPE(ShardedOptimizer):
                 self.masks.append(None)
             self.diagnostics.append({})
         self._take_bufs: list[torch.Tensor | None] = [None] * len(self.buckets)
+        self._node: NodeLevel | None = None
+        """Two levels (:mod:`scape.two_level`): the node's residuals over this rank's slice."""
+        if isinstance(self.comm, HierarchicalCommunicator):
+            self._node = NodeLevel(self.comm, self.buckets, [m is not None for m in self.masks])
 
     @property
     def explore(self) -> float:
@@ -202,15 +207,57 @@ class SCAPE(ShardedOptimizer):
         another rule) loads, and they start at zero."""
         return tuple(rules.get(self.update).extra)
 
+    def _before_observe(self, dense_flags: list[bool]) -> None:
+        """Two levels: every step of a sparse bucket first reduces the node's gradient
+        densely into the node's residual (what the rule observes and the step sends)."""
+        node = self._node
+        if node is None:
+            return
+        launched = []
+        with phase("scape/reduce_scatter", self.buckets[0].device):
+            for i, (b, m) in enumerate(zip(self.buckets, self.masks)):
+                if m is not None:
+                    launched.append((i, *node.launch(b, self.grad_comm_dtype)))
+            for i, recv, work in launched:
+                work.wait()
+                node.land(i, self.buckets[i], recv, self.max_grad_norm is not None)
+
+    def _grad_buffer(self, i: int, dense: bool) -> torch.Tensor:
+        node = self._node
+        if node is None or node.res[i] is None:
+            return self.buckets[i].grad_flat
+        res = node.res[i]
+        assert res is not None
+        return res
+
+    def _fresh_sumsq(self, i: int) -> torch.Tensor | None:
+        if self._node is not None and self._node.res[i] is not None:
+            return self._node.fresh[i]
+        return super()._fresh_sumsq(i)
+
+    def _senders(self) -> int:
+        return self._node.nodes if self._node is not None else self.comm.world_size
+
+    def _residual(self, i: int) -> torch.Tensor:
+        if self._node is not None:
+            return self._node.residual(i, self.buckets[i])
+        return super()._residual(i)
+
     def _observe(self, i: int) -> None:
         """Give the rule the owner's slice of its own buffer (before the take)."""
         assert self.rule is not None
         if self.rule.observe is not None and self.masks[i] is not None:
             b = self.buckets[i]
-            self.rule.observe(self.shards[i], b.grad_flat[b.shard], self.error_feedback)
+            if self._node is not None:
+                own = self._grad_buffer(i, False)[self._node.shard_in_slice(b)]
+            else:
+                own = b.grad_flat[b.shard]
+            self.rule.observe(self.shards[i], own, self.error_feedback)
 
     def _after_skip(self) -> None:
         """The residuals were cleared: let the rule forget what it kept of the buffer."""
+        if self._node is not None:
+            self._node.clear()
         if self.rule is not None and self.rule.reset is not None:
             for s in self.shards:
                 self.rule.reset(s)
@@ -234,6 +281,18 @@ class SCAPE(ShardedOptimizer):
         return mask.current.numel()
 
     # ------------------------------------------------------------------ dense path
+    def _dense_launch(self, i: int) -> tuple[torch.Tensor, Any]:
+        node = self._node
+        if node is None or node.res[i] is None:
+            return super()._dense_launch(i)
+        b = self.buckets[i]  # two levels: the node's residual, all of it, across nodes
+        res = node.res[i]
+        assert res is not None
+        inp = res.div(node.per_node).to(self.grad_comm_dtype)
+        res.zero_()
+        g = torch.empty(b.shard_size, dtype=self.grad_comm_dtype, device=b.device)
+        return g, self.comm.inter.reduce_scatter(g, inp, op="avg")  # type: ignore[attr-defined]
+
     def _dense_update(self, i: int, g: torch.Tensor, hp: dict, model_out: torch.Tensor) -> None:
         s = self.shards[i]
         adams_dense_(s.master, s.m, g, lr=hp["lr"], beta1=hp["beta1"], beta2=hp["beta2"],
@@ -247,22 +306,30 @@ class SCAPE(ShardedOptimizer):
         with phase("scape/mask_sync", b.device):
             mask = mask_state.wait()
         assert mask is not None
+        node, comm, src = self._node, self.comm, b.grad_flat
+        if node is not None:  # across nodes only, from the node's residual over the slice
+            comm, src = self.comm.inter, self._grad_buffer(i, False)  # type: ignore[attr-defined]
+            mask = node.mask_rows(mask, mask_state.n_local)
         with phase("scape/take", b.device):
-            c = take_(b.grad_flat, mask, self.block_size, out_dtype=self.grad_comm_dtype)
+            c = take_(src, mask, self.block_size,
+                      out_dtype=self.grad_comm_dtype if node is None else torch.float32)
             diag = self.diagnostics[i]
             taken = c.float().square().sum() \
                 if self.error_feedback or self.max_grad_norm is not None else None
-            self._sent_sumsq[i] = taken  # for the clipping norm (scape.sharded.clip_norm)
             if taken is not None and self.error_feedback:
                 diag["residual_norm"] = (self._pre_sumsq[i] - taken).clamp(min=0).sqrt()
             else:
-                b.grad_flat.zero_()
+                src.zero_()
                 diag["residual_norm"] = torch.zeros((), device=b.device)
+            if node is not None:  # the node's sum -> its mean, so that the average across
+                c = c.div_(node.per_node).to(self.grad_comm_dtype)  # nodes is every rank's
+                taken = None if taken is None else taken / float(node.per_node ** 2)
+            self._sent_sumsq[i] = taken  # for the clipping norm (scape.sharded.clip_norm)
         self._take_bufs[i] = c
         g = torch.empty(mask_state.n_local * mask.shape[1], dtype=self.grad_comm_dtype,
                         device=b.device)
         with phase("scape/reduce_scatter", b.device):
-            work = self.comm.reduce_scatter(g, c, op="avg")
+            work = comm.reduce_scatter(g, c, op="avg")
         return g, work
 
     def _sparse_update(self, i: int, g: torch.Tensor, hp: dict) -> _Pending:
@@ -359,6 +426,8 @@ class SCAPE(ShardedOptimizer):
             extras = load_torch_state_dict(self, state_dict)
         else:
             extras = load_sharded_state(self, state_dict)
+        if self._node is not None:  # the loaded residual is in the buffers (two_level)
+            self._node.adopt(self.buckets)
         self._watch.reset()  # the residuals were written: taken as seen
         for b, m, extra in zip(self.buckets, self.masks, extras):
             if m is None:

@@ -167,12 +167,42 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def _dense_update(self, i: int, g: torch.Tensor, hp: dict, model_out: torch.Tensor) -> None:
         raise NotImplementedError
 
+    def _before_observe(self, dense_flags: list[bool]) -> None:
+        """Called at the start of every step, before :meth:`_observe` (two levels: the
+        node's dense reduction, :mod:`scape.two_level`)."""
+
     def _observe(self, i: int) -> None:
         """Called for every bucket at the start of every step, before anything is sent."""
+
+    def _grad_buffer(self, i: int, dense: bool) -> torch.Tensor:
+        """What bucket ``i`` sends from this step: its gradient and residual (the non-finite
+        check and the residual's norm read it)."""
+        return self.buckets[i].grad_flat
+
+    def _fresh_sumsq(self, i: int) -> torch.Tensor | None:
+        """This step's own gradient's sum of squares over bucket ``i`` (clipping)."""
+        return self._watch.fresh_sumsq(i)
+
+    def _senders(self) -> int:
+        """How many independent contributions a step averages: the ranks (the nodes, with
+        two levels)."""
+        return self.comm.world_size
+
+    def _residual(self, i: int) -> torch.Tensor:
+        """Bucket ``i``'s gradient and residual as a whole buffer (what checkpoints keep)."""
+        return self.buckets[i].grad_flat.detach().clone()
 
     def _dense_finish(self, i: int, hp: dict) -> Callable[[], None] | None:
         """What to run once a dense step's parameter all-gather has landed (None: nothing)."""
         return None
+
+    def _dense_launch(self, i: int) -> tuple[torch.Tensor, Any]:
+        """Start a dense step's reduce-scatter of bucket ``i``: ``(received, work)``."""
+        b = self.buckets[i]
+        inp = b.grad_flat if self.grad_comm_dtype == torch.float32 \
+            else b.grad_flat.to(self.grad_comm_dtype)
+        g = torch.empty(b.shard_size, dtype=self.grad_comm_dtype, device=b.device)
+        return g, self.comm.reduce_scatter(g, inp, op="avg")
 
     def _sparse_launch(self, i: int) -> tuple[torch.Tensor, Any]:
         raise NotImplementedError
@@ -320,7 +350,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         g = self.param_groups[bucket.group]
         return {"lr": float(g["lr"]), "beta1": g["betas"][0], "beta2": g["betas"][1],
                 "eps": g["eps"], "weight_decay": g["weight_decay"],
-                "world": self.comm.world_size}
+                "world": self._senders()}
 
     # ------------------------------------------------------------------- the step
     @torch.compiler.disable
@@ -357,6 +387,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             fault.fire(self._step, "grad", self)
         dense_flags = [self._is_dense(i) for i in range(len(self.buckets))]
         device = self.buckets[0].device
+        self._before_observe(dense_flags)
         for i in range(len(self.buckets)):
             self._observe(i)
 
@@ -365,8 +396,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         clip = self.max_grad_norm is not None
         local = torch.zeros(5 if clip else 2, dtype=torch.float32, device=device)
         self._pre_sumsq = []
-        for b in self.buckets:
-            s = grad_stats(b.grad_flat)
+        for i in range(len(self.buckets)):
+            s = grad_stats(self._grad_buffer(i, dense_flags[i]))
             self._pre_sumsq.append(s[0])
             local[1] += s[1]
         # 2. take + reduce-scatter, every bucket in flight together
@@ -376,10 +407,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         for i, b in enumerate(self.buckets):
             if dense_flags[i]:
                 with phase("scape/reduce_scatter", device):
-                    inp = b.grad_flat if self.grad_comm_dtype == torch.float32 \
-                        else b.grad_flat.to(self.grad_comm_dtype)
-                    g = torch.empty(b.shard_size, dtype=self.grad_comm_dtype, device=device)
-                    received.append((g, self.comm.reduce_scatter(g, inp, op="avg")))
+                    received.append(self._dense_launch(i))
             else:
                 received.append(self._sparse_launch(i))
         gs = []
@@ -394,7 +422,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     local[2] += sumsq
                     sent = self._sent_sumsq[i]
                     local[3] += 0.0 if sent is None else sent
-                    fresh = self._watch.fresh_sumsq(i)
+                    fresh = self._fresh_sumsq(i)
                     local[4] += self._pre_sumsq[i] if fresh is None else fresh
                 self.last_sync[i] = {"g": g.clone() if self.max_grad_norm else g,
                                      "mask": self._step_mask(i, dense_flags[i])}
@@ -403,7 +431,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if fault is not None:
             fault.fire(self._step, "all_reduce", self)
         self.comm.all_reduce(local, op="sum").wait()
-        grad_norm = local[0].sqrt() if not clip else clip_norm(local, self.comm.world_size)
+        grad_norm = local[0].sqrt() if not clip else clip_norm(local, self._senders())
         skipped = bool(local[1] > 0)
         for b, dense in zip(self.buckets, dense_flags):
             if dense or skipped:

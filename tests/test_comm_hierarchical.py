@@ -1,0 +1,114 @@
+"""HierarchicalCommunicator: two-level collectives equal the flat ones, in the group's rank
+order, on real gloo processes (4 ranks as 2 nodes x 2), with bytes counted per level."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.dist import run_ranks
+
+NODES, PER_NODE = 2, 2
+
+
+def _mesh_comm():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from scape.comm import as_communicator
+
+    mesh = init_device_mesh("cpu", (NODES, PER_NODE), mesh_dim_names=("replicate", "shard"))
+    return mesh, as_communicator(mesh)
+
+
+def _collectives(rank: int, world: int, seed: int) -> dict:
+    import torch.distributed as dist
+
+    from scape.comm import HierarchicalCommunicator, TorchCommunicator
+
+    mesh, comm = _mesh_comm()
+    assert isinstance(comm, HierarchicalCommunicator)
+    flat = TorchCommunicator()
+    node, place = divmod(rank, PER_NODE)  # the mesh's global rank is node * G + place
+    me = comm.rank
+    out: dict = {"me": me, "node": node, "place": place, "world": comm.world_size,
+                 "global_ranks": comm.global_ranks()}
+    g = torch.Generator().manual_seed(seed + me)  # indexed by the group's rank
+    n = 6
+    inp = torch.randn(n, generator=g)
+    # every rank learns every rank's input in the group's order, through the flat group
+    table = torch.empty(world, n)
+    flat.all_gather(table.view(-1), torch.cat([inp])).wait()
+    order = torch.empty(world, dtype=torch.int64)
+    flat.all_gather(order, torch.tensor([me])).wait()
+    by_me = torch.empty_like(table)
+    by_me[order] = table
+    comm.reset_stats()
+
+    ag = torch.full((world * n,), float("nan"))
+    w_ag = comm.all_gather(ag, inp)
+    rs_in = torch.randn(world * 3, generator=g)
+    rs_table = torch.empty(world, world * 3)
+    flat.all_gather(rs_table.view(-1), rs_in).wait()
+    rs_by_me = torch.empty_like(rs_table)
+    rs_by_me[order] = rs_table
+    rs = torch.full((3,), float("nan"))
+    w_rs = comm.reduce_scatter(rs, rs_in, op="avg")
+    ar = inp.clone()
+    w_ar = comm.all_reduce(ar, op="sum")
+    bc = inp.clone()
+    w_bc = comm.broadcast(bc, src=3)
+    for w in (w_bc, w_ar, w_rs, w_ag):  # waited in the reverse order of issue
+        w.wait()
+    out["ag_ok"] = torch.equal(ag.view(world, n), by_me)
+    out["rs_err"] = float((rs - rs_by_me[:, me * 3:(me + 1) * 3].mean(0)).abs().max())
+    out["ar_err"] = float((ar - by_me.sum(0)).abs().max())
+    out["bc_ok"] = torch.equal(bc, by_me[3])
+    out["stats"] = {k: dict(v) for k, v in comm.stats.items()}
+    comm.barrier()
+    dist.barrier()
+    return out
+
+
+def test_two_level_collectives_match_flat():
+    res = run_ranks(_collectives, NODES * PER_NODE, 7, timeout=120)
+    mes = sorted(r["me"] for r in res)
+    assert mes == [0, 1, 2, 3]
+    for r in res:
+        # the group's rank is place * R + node: the R ranks of one place are neighbours
+        assert r["me"] == r["place"] * NODES + r["node"]
+        assert r["world"] == 4
+        assert r["ag_ok"] and r["bc_ok"]
+        assert r["rs_err"] < 1e-6 and r["ar_err"] < 1e-5
+        # global_ranks()[me] is this process's global rank
+        assert r["global_ranks"][r["me"]] == r["node"] * PER_NODE + r["place"]
+        s = r["stats"]
+        f32 = 4
+        # all_gather of 6 values: across nodes R*6 held, inside the node W*6
+        assert s["inter/all_gather"]["bytes"] == NODES * 6 * f32
+        assert s["intra/all_gather"]["bytes"] == 4 * 6 * f32
+        # reduce_scatter of W*3 values: inside the node all of them, across nodes R*3
+        assert s["intra/reduce_scatter"]["bytes"] == 4 * 3 * f32
+        assert s["inter/reduce_scatter"]["bytes"] == NODES * 3 * f32
+        assert s["intra/all_reduce"]["bytes"] == s["inter/all_reduce"]["bytes"] == 6 * f32
+        assert s["intra/broadcast"]["calls"] == s["inter/broadcast"]["calls"] == 1
+
+
+def test_mesh_of_three_dimensions_is_refused():
+    from scape.comm import as_communicator
+
+    class FakeMesh:  # what as_communicator reads of a DeviceMesh
+        ndim = 3
+
+        def get_group(self, dim: int = 0):
+            raise AssertionError("not reached")
+
+    FakeMesh.__name__ = "DeviceMesh"
+    with pytest.raises(ValueError, match="replicate across nodes outermost"):
+        as_communicator(FakeMesh())
+
+
+def test_init_hierarchical_refuses_a_flat_mesh():
+    from scape.comm import init_hierarchical
+
+    with pytest.raises(ValueError, match="two-dimensional DeviceMesh"):
+        init_hierarchical(object())
