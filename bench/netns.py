@@ -207,7 +207,7 @@ def shaped_command(cmd: list[str], rate: str | int | float) -> Iterator[list[str
 
 _RECEIVER = r"""
 import socket, sys, time
-srv = socket.socket(); srv.bind(("127.0.0.1", 0)); srv.listen(1)
+srv = socket.socket(); srv.bind((sys.argv[1], 0)); srv.listen(1)
 print(srv.getsockname()[1], flush=True)
 conn, _ = srv.accept()
 total, first, last = 0, None, None
@@ -225,8 +225,8 @@ print(total, skip, last - first, flush=True)
 
 _SENDER = r"""
 import socket, sys
-port, nbytes = int(sys.argv[1]), int(sys.argv[2])
-s = socket.create_connection(("127.0.0.1", port))
+host, port, nbytes = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+s = socket.create_connection((host, port))
 block = b"\xa5" * (1 << 16)
 left = nbytes
 while left > 0:
@@ -235,16 +235,19 @@ s.shutdown(socket.SHUT_WR); s.close()
 """
 
 
-def measure_tcp_rate(prefix: list[str], nbytes: int, timeout: float = 60.0) -> float:
+def measure_tcp_rate(prefix: list[str], nbytes: int, timeout: float = 60.0, *,
+                     host: str = "127.0.0.1", sender_prefix: list[str] | None = None) -> float:
     """Delivered rate, bits/s, of one TCP stream of ``nbytes`` between two processes started
-    with ``prefix`` (e.g. a namespace's). Timed at the receiver from its first to its last
+    with ``prefix`` (e.g. a namespace's; the sender with ``sender_prefix`` if given, the
+    receiver listening on ``host``). Timed at the receiver from its first to its last
     chunk, the first chunk's bytes left out (they arrive before the clock starts)."""
-    recv = subprocess.Popen([*prefix, sys.executable, "-c", _RECEIVER], stdout=subprocess.PIPE,
-                            text=True)
+    recv = subprocess.Popen([*prefix, sys.executable, "-c", _RECEIVER, host],
+                            stdout=subprocess.PIPE, text=True)
+    sender = prefix if sender_prefix is None else sender_prefix
     try:
         assert recv.stdout is not None
         port = int(recv.stdout.readline())
-        subprocess.run([*prefix, sys.executable, "-c", _SENDER, str(port), str(nbytes)],
+        subprocess.run([*sender, sys.executable, "-c", _SENDER, host, str(port), str(nbytes)],
                        check=True, timeout=timeout)
         out, _ = recv.communicate(timeout=timeout)
     finally:

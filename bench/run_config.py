@@ -79,6 +79,14 @@ class RunConfig:
     """Label in reports (None: derived from the optimizer and sparsity)."""
     device: str = "cpu"
     """``"cpu"`` (gloo) or ``"cuda"`` (rank r on GPU r, NCCL; the Triton kernels run)."""
+    nodes: int = 1
+    """The ranks form ``nodes`` nodes of ``world // nodes`` (rank r on node ``r // per_node``,
+    as ``init_device_mesh`` lays out a ``(nodes, per_node)`` mesh)."""
+    two_level: bool = False
+    """Give the optimizer the ``(nodes, per_node)`` mesh (SCAPE on two levels, dense inside
+    a node); False: one flat group of every rank."""
+    node_netns: list[str] | None = None
+    """Per node, the network namespace its ranks enter (:mod:`bench.netns_nodes`)."""
 
     def __post_init__(self) -> None:
         if self.optimizer not in OPTIMIZERS:
@@ -125,6 +133,13 @@ class RunConfig:
                              f"got {self.timing_skip!r}")
         if not self.timeout_s > 0:
             raise ValueError(f"RunConfig.timeout_s must be > 0, got {self.timeout_s!r}")
+        if isinstance(self.nodes, bool) or not isinstance(self.nodes, int) or self.nodes < 1 \
+                or self.world % self.nodes:
+            raise ValueError(f"RunConfig.nodes must be a positive divisor of world={self.world},"
+                             f" got {self.nodes!r}")
+        if self.node_netns is not None and len(self.node_netns) != self.nodes:
+            raise ValueError(f"RunConfig.node_netns must name one namespace per node "
+                             f"({self.nodes}), got {self.node_netns!r}")
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"RunConfig.device must be 'cpu' or 'cuda', got {self.device!r}")
         if self.model not in PRESETS:

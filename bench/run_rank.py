@@ -17,13 +17,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from bench import netns_nodes
 from bench.comm_timing import DDPCounter, timed_communicator
 from bench.data import batch_at, eval_loss, load_corpus
 from bench.gpt import GPT, get_config, num_params, param_groups
 from bench.nullcomm import NullCommunicator
 from bench.optimizers import OPTIMIZERS, Spec, build
 from bench.run_config import RunConfig, lr_at
-from scape.comm import TorchCommunicator
+from scape.comm import HierarchicalCommunicator, TorchCommunicator
 
 
 def _build(cfg: RunConfig, rank: int, world: int, device: torch.device
@@ -41,21 +42,57 @@ def _build(cfg: RunConfig, rank: int, world: int, device: torch.device
         ddp = DDP(module, device_ids=None if device.type == "cpu" else [device.index])
         ddp.register_comm_hook(None, counter.hook)
         return ddp, build(cfg.optimizer, groups, spec), counter, module
-    inner = NullCommunicator(world, rank) if entry.comm == "null" \
-        else TorchCommunicator(timeout=cfg.timeout_s)
-    comm = timed_communicator(inner)
+    comm: Any
+    if cfg.two_level and entry.comm != "null":
+        comm = _two_level(cfg, world)
+    else:
+        inner = NullCommunicator(world, rank) if entry.comm == "null" \
+            else TorchCommunicator(timeout=cfg.timeout_s)
+        comm = timed_communicator(inner)
     opt: Any = build(cfg.optimizer, groups, spec, comm)
     if hasattr(opt, "attach"):
         opt.attach(module)
-    return module, opt, comm, module
+    return module, opt, _Levels(comm) if isinstance(comm, HierarchicalCommunicator) else comm, \
+        module
+
+
+class _Levels:
+    """The counter of a two-level communicator: its bytes by level and the seconds its
+    levels' collectives were waited."""
+
+    def __init__(self, comm: HierarchicalCommunicator) -> None:
+        self.comm = comm
+
+    @property
+    def stats(self) -> Any:
+        return self.comm.stats
+
+    @property
+    def wait_s(self) -> float:
+        return float(self.comm.intra.wait_s + self.comm.inter.wait_s)  # type: ignore[attr-defined]
+
+
+def _two_level(cfg: RunConfig, world: int) -> HierarchicalCommunicator:
+    """The ``(nodes, per_node)`` mesh's two groups, each timed, as one communicator."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu" if cfg.device == "cpu" else "cuda",
+                            (cfg.nodes, world // cfg.nodes),
+                            mesh_dim_names=("replicate", "shard"))
+    levels = [timed_communicator(TorchCommunicator(mesh.get_group(d), timeout=cfg.timeout_s))
+              for d in (1, 0)]
+    return HierarchicalCommunicator(intra=levels[0], inter=levels[1])
 
 
 def rank_main(rank: int, world: int, cfg_dict: dict[str, Any], init_file: str,
                q: Any) -> None:
     """Body of one rank: train, measure, report a dict through ``q``."""
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     try:
         cfg = RunConfig.from_dict(cfg_dict)
+        if cfg.node_netns is not None:  # this rank's node (bench.netns_nodes)
+            netns_nodes.enter(cfg.node_netns[rank // (world // cfg.nodes)])
+            os.environ["GLOO_SOCKET_IFNAME"] = netns_nodes.NODE_IF
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         torch.set_num_threads(cfg.threads or max(1, (os.cpu_count() or 1) // world))
         backend = "gloo"
         if cfg.device == "cuda":  # rank r on GPU r (bench.compare checks there are enough)
@@ -106,6 +143,7 @@ def _train(cfg: RunConfig, rank: int, world: int) -> dict[str, Any]:
         for g in opt.param_groups:
             g["lr"] = lr_at(step, cfg)
         bytes_before = {op: int(v["bytes"]) for op, v in counter.stats.items()}
+        link_before = _link_tx() if cfg.node_netns is not None else 0
         wait_before = counter.wait_s
         t0 = time.perf_counter()
         loss_sum = torch.zeros((), device=device)
@@ -127,7 +165,8 @@ def _train(cfg: RunConfig, rank: int, world: int) -> dict[str, Any]:
         records.append({"step_s": step_s, "wait_s": wait_s,
                         "bytes": {op: b for op, b in sent.items() if b},
                         "train_loss": float(loss_sum) / cfg.grad_accum,
-                        "dense": bool(getattr(getattr(opt, "last_step", None), "dense", True))})
+                        "dense": bool(getattr(getattr(opt, "last_step", None), "dense", True)),
+                        **({"link_tx": _link_tx() - link_before} if cfg.node_netns else {})})
         if prof is not None and cfg.profile_dir is not None and step + 1 == prof_steps.stop - 1:
             _drain(opt)  # no collective may still be recording when the profiler stops
             prof.__exit__(None, None, None)
@@ -166,6 +205,16 @@ def _train(cfg: RunConfig, rank: int, world: int) -> dict[str, Any]:
             "optimizer_settings": settings, "param_sha256": param_digest(module),
             "n_pad": sum(b.n_pad for b in getattr(opt, "buckets", ())) or None,
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
+
+
+def _link_tx() -> int:
+    """Bytes this node's end of the emulated link has sent (:mod:`bench.netns_nodes`)."""
+    with open("/proc/self/net/dev") as f:  # (this process's namespace; /sys is not)
+        for line in f:
+            name, _, fields = line.partition(":")
+            if name.strip() == netns_nodes.NODE_IF:
+                return int(fields.split()[8])  # receive: 8 fields, then transmit bytes
+    raise RuntimeError(f"no interface {netns_nodes.NODE_IF} in this network namespace")
 
 
 def param_digest(module: torch.nn.Module) -> str:

@@ -158,6 +158,11 @@ def summarize(cfg: RunConfig, ranks: list[dict[str, Any]], wall_s: float) -> dic
         "bytes_per_step_total": sum(bytes_steady.values()),
         "bytes_per_step_mean_all_steps": sum(bytes_mean.values()),
         "dense_steps": sum(1 for r in r0["records"] if r["dense"]),
+        # two emulated nodes: per node (its first rank's reading), the bytes its end of the
+        # link sent per step, median over the timed steps (the wire's own count)
+        "link_tx_per_step_by_node": [
+            _median([float(r["link_tx"]) for r in rk["records"][window]])
+            for rk in ranks[::cfg.world // cfg.nodes]] if cfg.node_netns else None,
         "phases": r0["phases"],
         "n_pad": r0.get("n_pad"),
         "device": r0.get("device", "cpu"),

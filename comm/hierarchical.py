@@ -6,8 +6,9 @@ mesh) and ``inter`` the group of the ranks that have the same place in every nod
 one per node, over the network; the *replicate* dimension). The rank of the whole group is
 ``intra.rank * R + inter.rank``: the ranks of one node are G apart and the R ranks of one
 ``inter`` group are neighbours. With that order every collective is two plain collectives of
-the levels, and the slow level carries only ``1/G`` of what a flat collective would put on
-the node's link::
+the levels, and each rank's slow-level payload is ``1/G`` of its flat payload (whether that
+is less than a flat collective puts on the node's link depends on the flat algorithm: NCCL's
+topology-aware rings already leave a node once; gloo's do not)::
 
     all_gather      inter (n values -> R*n), then intra (R*n -> W*n)
     reduce_scatter  intra (W*m -> R*m), then inter (R*m -> m)

@@ -404,7 +404,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         received: list[tuple[torch.Tensor, Any]] = []
         if fault is not None:
             fault.fire(self._step, "reduce_scatter", self)
-        for i, b in enumerate(self.buckets):
+        for i in range(len(self.buckets)):
             if dense_flags[i]:
                 with phase("scape/reduce_scatter", device):
                     received.append(self._dense_launch(i))

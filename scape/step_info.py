@@ -29,3 +29,22 @@ class StepInfo:
     """Payload bytes this step put on the wire, by collective (from ``comm.stats``)."""
     mask_size: int = 0
     """Number of coordinates synchronized this step (K for a sparse step, N_pad if dense)."""
+
+    def level_bytes(self, level: str) -> int | None:
+        """Payload bytes of one level with a two-level communicator (``"intra"``: inside the
+        node, ``"inter"``: across nodes; ``comm.stats`` keys ``"<level>/<op>"``); None with
+        a flat one."""
+        keys = [k for k in self.bytes if "/" in k]
+        if not keys:
+            return None
+        return sum(v for k, v in self.bytes.items() if k.startswith(level + "/"))
+
+    @property
+    def intra_bytes(self) -> int | None:
+        """Payload bytes inside the node this step (two levels; None when flat)."""
+        return self.level_bytes("intra")
+
+    @property
+    def inter_bytes(self) -> int | None:
+        """Payload bytes across nodes this step (two levels; None when flat)."""
+        return self.level_bytes("inter")

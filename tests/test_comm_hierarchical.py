@@ -112,3 +112,48 @@ def test_init_hierarchical_refuses_a_flat_mesh():
 
     with pytest.raises(ValueError, match="two-dimensional DeviceMesh"):
         init_hierarchical(object())
+
+
+def _nccl_without_gpu(rank: int, world: int) -> str:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from scape.comm import init_hierarchical
+
+    mesh = init_device_mesh("cpu", (NODES, PER_NODE), mesh_dim_names=("replicate", "shard"))
+    try:
+        init_hierarchical(mesh, "nccl")
+    except (RuntimeError, ImportError) as e:
+        return str(e)
+    return "built"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error where CUDA is absent")
+def test_nccl_levels_without_a_gpu_say_what_is_missing():
+    # the layout is backend-agnostic (the gloo test above); NCCL needs a GPU per rank
+    for msg in run_ranks(_nccl_without_gpu, NODES * PER_NODE, timeout=120):
+        assert "CUDA" in msg or "cupy" in msg
+
+
+def _nccl_levels(rank: int, world: int) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from scape.comm import init_hierarchical
+
+    torch.cuda.set_device(rank)
+    mesh = init_device_mesh("cpu", (NODES, PER_NODE), mesh_dim_names=("replicate", "shard"))
+    comm = init_hierarchical(mesh, "nccl")
+    inp = torch.full((5,), float(comm.rank), device="cuda")
+    out = torch.full((world * 5,), float("nan"), device="cuda")
+    comm.all_gather(out, inp).wait()
+    torch.cuda.synchronize()
+    return {"ok": bool((out.view(world, 5)[:, 0].cpu() == torch.arange(world)).all()),
+            "stats": {k: dict(v) for k, v in comm.stats.items()}}
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < NODES * PER_NODE,
+                    reason=f"NCCL on two levels needs {NODES * PER_NODE} CUDA devices, found "
+                           f"{torch.cuda.device_count()}")
+def test_nccl_levels_all_gather_in_group_order():
+    for r in run_ranks(_nccl_levels, NODES * PER_NODE, timeout=180):
+        assert r["ok"]
+        assert r["stats"]["inter/all_gather"]["bytes"] == NODES * 5 * 4

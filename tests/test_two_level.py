@@ -91,7 +91,8 @@ def _train(rank: int, world: int, layout: str, sparsity: float, steps: int,
         d[_flat_indices(opt, 0)] = opt.last_sync[0]["g"].double()
         delivered += d
         infos.append({"dense": opt.last_step.dense, "bytes": dict(opt.last_step.bytes),
-                      "mask_size": opt.last_step.mask_size})
+                      "mask_size": opt.last_step.mask_size,
+                      "levels": (opt.last_step.intra_bytes, opt.last_step.inter_bytes)})
     for t in (delivered, sent_in):
         flat.all_reduce(t, op="sum").wait()
     residual = opt._residual(0).double()
@@ -136,6 +137,7 @@ def test_two_levels_dense_equals_flat_dense():
     hier = _run("hier", 0.0, 4)
     flat = _run("flat4", 0.0, 4)
     torch.testing.assert_close(hier[0]["params"], flat[0]["params"], rtol=1e-6, atol=1e-6)
+    assert all(i["levels"] == (None, None) for i in flat[0]["infos"])  # flat: no levels
     for r in hier:
         assert torch.equal(r["params"], hier[0]["params"])
         for info in r["infos"]:  # a dense step: N_pad fp32 each way, the level's share
@@ -164,6 +166,7 @@ def test_sparse_step_bytes_per_level_match_the_formula():
             assert inter == k // PER_NODE * (4 + 4 + 2) + 8
             # inside the node: the dense gradient, then the K new values and offsets
             assert intra == n_pad * 4 + k * (4 + 2) + 8
+            assert info["levels"] == (intra, inter)  # StepInfo.intra_bytes, .inter_bytes
 
 
 def test_two_level_checkpoints_resume_and_change_layout(tmp_path):

@@ -1,0 +1,198 @@
+"""Two levels side by side: 2 emulated nodes x 2 ranks, a slow link between the nodes.
+
+**Speed leg** (per ``--bandwidth``, 100 Mbit/s and 1 Gbit/s by default): each node is a
+network namespace, the two joined by a veth pair shaped to the rate each way; the ranks of
+one node talk over their namespace's loopback, not shaped (:mod:`bench.netns_nodes`). The
+link's delivered rate and the loopback's are measured first and stored. Then, the same
+model and batch, a short run each of:
+
+=================  ===========================================================================
+``compute_only``   SCAPE-0.99's per-rank work with no collectives (the floor)
+``dense_hsdp``     dense sharded AdamS on the ``(2, 2)`` mesh: dense reduce-scatter inside the
+                   node, the slice's dense reduce-scatter + all-gather across, as FSDP2's HSDP
+``flat``           SCAPE-0.99 on one flat group of the 4 ranks (every rank's sparse traffic
+                   crosses the link)
+``two_level``      SCAPE-0.99 on the mesh: dense inside the node, sparse across
+=================  ===========================================================================
+
+Reports the median step, the speed-up over ``dense_hsdp``, the ratio to compute-only, the
+payload bytes per step per rank by level (the library's counters, ``comm.stats``) beside the
+formula of docs/design.md §1 ("Two levels"), and the bytes each node's end of the link sent
+per timed step (the interface's own counter, read by the ranks: what really went over the
+wire, gloo's and TCP's overheads included).
+
+**Quality leg** (unshaped loopback, ``--quality-steps``, 600 by default): ``flat`` and
+``two_level`` trained long enough to leave the unigram plateau, at the compare job's tuned
+learning rate; the final validation loss of each and their ratio.
+
+    python -m bench.two_level [--out out/two_level] [--quick] [--leg speed|quality|both]
+
+``--quick`` (tiny model, 40 quality steps, one bandwidth) is the smoke the tests run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Any
+
+from bench import netns_nodes
+from bench.compare_report import environment
+from bench.netns import available
+from bench.run_config import RunConfig
+from bench.runner import run
+from scape.rules import block_budget
+
+SCHEMA = "scape.two_level/1"
+NODES, PER_NODE = 2, 2
+ROWS = ("compute_only", "dense_hsdp", "flat", "two_level")
+TUNED_LR = 3e-4
+"""The compare job's learning rate (dense sharded AdamS's best at 600 steps)."""
+
+
+def row_config(row: str, *, model: str, steps: int, lr: float, netns: list[str] | None,
+               warmup: int, eval_every: int) -> RunConfig:
+    """The run of one row (module docstring)."""
+    opt = {"compute_only": "compute_only", "dense_hsdp": "adams"}.get(row, "scape")
+    kwargs = {} if opt == "adams" else {"warmup_steps": warmup}
+    return RunConfig(optimizer=opt, sparsity=0.99, model=model, world=NODES * PER_NODE,
+                     steps=steps, lr=lr, nodes=NODES, two_level=row in ("dense_hsdp",
+                                                                        "two_level"),
+                     node_netns=netns, optimizer_kwargs=kwargs, threads=1, name=row,
+                     eval_every=eval_every, log_every=0,
+                     timing_skip=min(warmup + 2, steps - 1))
+
+
+def formula(row: str, n_pad: int, block: int = 4096, explore: float = 0.1
+            ) -> dict[str, int] | None:
+    """Payload bytes per steady step per rank by level (fp32 wire, docs/design.md §1)."""
+    k = (n_pad // block) * block_budget(0.99, block, explore)[0]
+    if row == "two_level":
+        return {"inter": k // PER_NODE * (4 + 4 + 2) + 8, "intra": n_pad * 4 + k * (4 + 2) + 8}
+    if row == "dense_hsdp":
+        return {"inter": n_pad // PER_NODE * 8 + 8, "intra": n_pad * 8 + 8}
+    if row == "flat":
+        return {"flat": k * (4 + 4 + 2) + 8}
+    return None
+
+
+def _levels(by_op: dict[str, float]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for op, b in by_op.items():
+        level = op.split("/")[0] if "/" in op else "flat"
+        out[level] = out.get(level, 0.0) + b
+    return out
+
+
+def speed_leg(rate: str, model: str, steps: int, warmup: int) -> dict[str, Any]:
+    with netns_nodes.node_namespaces(rate) as names:
+        bits = netns_nodes.parse_rate(rate)
+        link = netns_nodes.measure(names, max(1 << 20, int(bits / 8)))
+        print(f"link {rate}: delivered {link['link_bps'] / 1e6:.1f} Mbit/s across, "
+              f"{link['inside_bps'] / 1e9:.1f} Gbit/s inside a node (not shaped)", flush=True)
+        rows = []
+        for row in ROWS:
+            t0 = time.perf_counter()
+            res = run(row_config(row, model=model, steps=steps, lr=TUNED_LR, netns=names,
+                                 warmup=warmup, eval_every=10**6))
+            rows.append(_speed_row(row, res))
+            print(f"  {row:<13} {res['median_step_s'] * 1e3:8.0f} ms/step "
+                  f"({time.perf_counter() - t0:.0f} s)", flush=True)
+    dense = next(r for r in rows if r["name"] == "dense_hsdp")["median_step_s"]
+    floor = next(r for r in rows if r["name"] == "compute_only")["median_step_s"]
+    for r in rows:
+        r["speedup_vs_dense_hsdp"] = dense / r["median_step_s"]
+        r["ratio_to_compute_only"] = r["median_step_s"] / floor
+    return {"rate": rate, "rate_bps": bits, "link": link, "rows": rows}
+
+
+def _speed_row(row: str, res: dict[str, Any]) -> dict[str, Any]:
+    levels = _levels(res["bytes_per_step"])
+    return {"name": row, "median_step_s": res["median_step_s"],
+            "median_compute_s": res["median_compute_s"],
+            "bytes_per_step_by_level": levels,
+            "inter_bytes_per_node": levels.get("inter", 0.0) * PER_NODE,
+            "formula": formula(row, res["n_pad"]) if res.get("n_pad") else None,
+            # what each node's end of the link sent per timed step (TCP and gloo included)
+            "link_bytes_per_node_per_step": res["link_tx_per_step_by_node"],
+            "dense_steps": res["dense_steps"], "n_pad": res.get("n_pad")}
+
+
+def quality_leg(model: str, steps: int, lr: float) -> dict[str, Any]:
+    runs = {}
+    for row in ("flat", "two_level"):
+        t0 = time.perf_counter()
+        res = run(row_config(row, model=model, steps=steps, lr=lr, netns=None, warmup=20,
+                             eval_every=max(1, steps // 6)))
+        runs[row] = {"final_val_loss": res["final_val_loss"], "val_curve": res["val_curve"],
+                     "param_sha256_ranks_agree": res["param_sha256_ranks_agree"]}
+        print(f"  {row:<10} val {res['final_val_loss']:.4f} after {steps} steps "
+              f"({time.perf_counter() - t0:.0f} s)", flush=True)
+    ratio = runs["two_level"]["final_val_loss"] / runs["flat"]["final_val_loss"]
+    return {"steps": steps, "lr": lr, "runs": runs, "two_level_over_flat": ratio}
+
+
+def render(rep: dict[str, Any]) -> str:
+    lines = ["| link | row | ms/step | × vs dense HSDP | / compute | inter B/step/node "
+             "(formula) | intra B/step/rank (formula) | link B/step/node (measured) |",
+             "|---|---|---|---|---|---|---|---|"]
+    for leg in rep.get("speed", []):
+        for r in leg["rows"]:
+            f = r["formula"] or {}
+            lv = r["bytes_per_step_by_level"]
+            inter = f"{r['inter_bytes_per_node']:,.0f} ({f['inter'] * PER_NODE:,})" \
+                if "inter" in f else (f"{lv.get('flat', 0):,.0f}/rank ({f['flat']:,})"
+                                      if "flat" in f else "–")
+            intra = f"{lv.get('intra', 0):,.0f} ({f['intra']:,})" if "intra" in f else "–"
+            lines.append(f"| {leg['rate']} | {r['name']} | {r['median_step_s'] * 1e3:.0f} | "
+                         f"{r['speedup_vs_dense_hsdp']:.2f} | {r['ratio_to_compute_only']:.2f} "
+                         f"| {inter} | {intra} | "
+                         f"{' / '.join(f'{b:,.0f}' for b in r['link_bytes_per_node_per_step'])} |")
+    q = rep.get("quality")
+    if q:
+        lines += ["", f"Quality after {q['steps']} steps (lr {q['lr']}): flat "
+                  f"{q['runs']['flat']['final_val_loss']:.4f}, two levels "
+                  f"{q['runs']['two_level']['final_val_loss']:.4f} "
+                  f"(ratio {q['two_level_over_flat']:.4f})."]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default="out/two_level")
+    ap.add_argument("--leg", choices=("speed", "quality", "both"), default="both")
+    ap.add_argument("--bandwidth", nargs="+", default=["100mbit", "1gbit"])
+    ap.add_argument("--steps", type=int, default=16, help="steps per speed-leg run")
+    ap.add_argument("--quality-steps", type=int, default=600)
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args(argv)
+    model, warmup = ("tiny", 2) if args.quick else ("small", 2)
+    if args.quick:
+        args.bandwidth, args.steps, args.quality_steps = args.bandwidth[:1], 8, 40
+    os.makedirs(args.out, exist_ok=True)
+    rep: dict[str, Any] = {"schema": SCHEMA, "nodes": NODES, "per_node": PER_NODE,
+                           "model": model, "environment": environment("cpu", None)}
+    if args.leg in ("speed", "both"):
+        ok, why = available()
+        if ok:
+            rep["speed"] = [speed_leg(r, model, args.steps, warmup) for r in args.bandwidth]
+        else:
+            print(f"speed leg skipped: {why}", file=sys.stderr)
+            rep["speed_skipped"] = why
+    if args.leg in ("quality", "both"):
+        rep["quality"] = quality_leg(model, args.quality_steps, TUNED_LR)
+    with open(os.path.join(args.out, "report.json"), "w") as f:
+        json.dump(rep, f, indent=1)
+    text = render(rep)
+    with open(os.path.join(args.out, "report.md"), "w") as f:
+        f.write(text)
+    print(text, end="")
+    print(f"wrote {args.out}/report.json and report.md")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
