@@ -87,25 +87,27 @@ def _levels(by_op: dict[str, float]) -> dict[str, float]:
     return out
 
 
-def speed_leg(rate: str, model: str, steps: int, warmup: int) -> dict[str, Any]:
+def speed_leg(rate: str, model: str, steps: int, warmup: int,
+              rows_run: tuple[str, ...] = ROWS) -> dict[str, Any]:
     with netns_nodes.node_namespaces(rate) as names:
         bits = netns_nodes.parse_rate(rate)
         link = netns_nodes.measure(names, max(1 << 20, int(bits / 8)))
         print(f"link {rate}: delivered {link['link_bps'] / 1e6:.1f} Mbit/s across, "
               f"{link['inside_bps'] / 1e9:.1f} Gbit/s inside a node (not shaped)", flush=True)
         rows = []
-        for row in ROWS:
+        for row in rows_run:
             t0 = time.perf_counter()
             res = run(row_config(row, model=model, steps=steps, lr=TUNED_LR, netns=names,
                                  warmup=warmup, eval_every=10**6))
             rows.append(_speed_row(row, res))
             print(f"  {row:<13} {res['median_step_s'] * 1e3:8.0f} ms/step "
                   f"({time.perf_counter() - t0:.0f} s)", flush=True)
-    dense = next(r for r in rows if r["name"] == "dense_hsdp")["median_step_s"]
-    floor = next(r for r in rows if r["name"] == "compute_only")["median_step_s"]
-    for r in rows:
-        r["speedup_vs_dense_hsdp"] = dense / r["median_step_s"]
-        r["ratio_to_compute_only"] = r["median_step_s"] / floor
+    by = {r["name"]: r["median_step_s"] for r in rows}
+    for r in rows:  # (None where the row it divides by was not run: --rows)
+        r["speedup_vs_dense_hsdp"] = by["dense_hsdp"] / r["median_step_s"] \
+            if "dense_hsdp" in by else None
+        r["ratio_to_compute_only"] = r["median_step_s"] / by["compute_only"] \
+            if "compute_only" in by else None
     return {"rate": rate, "rate_bps": bits, "link": link, "rows": rows}
 
 
@@ -135,6 +137,10 @@ def quality_leg(model: str, steps: int, lr: float) -> dict[str, Any]:
     return {"steps": steps, "lr": lr, "runs": runs, "two_level_over_flat": ratio}
 
 
+def _x(v: float | None) -> str:
+    return "–" if v is None else f"{v:.2f}"
+
+
 def render(rep: dict[str, Any]) -> str:
     lines = ["| link | row | ms/step | × vs dense HSDP | / compute | inter B/step/node "
              "(formula) | intra B/step/rank (formula) | link B/step/node (measured) |",
@@ -148,7 +154,7 @@ def render(rep: dict[str, Any]) -> str:
                                       if "flat" in f else "–")
             intra = f"{lv.get('intra', 0):,.0f} ({f['intra']:,})" if "intra" in f else "–"
             lines.append(f"| {leg['rate']} | {r['name']} | {r['median_step_s'] * 1e3:.0f} | "
-                         f"{r['speedup_vs_dense_hsdp']:.2f} | {r['ratio_to_compute_only']:.2f} "
+                         f"{_x(r['speedup_vs_dense_hsdp'])} | {_x(r['ratio_to_compute_only'])} "
                          f"| {inter} | {intra} | "
                          f"{' / '.join(f'{b:,.0f}' for b in r['link_bytes_per_node_per_step'])} |")
     q = rep.get("quality")
@@ -167,6 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bandwidth", nargs="+", default=["100mbit", "1gbit"])
     ap.add_argument("--steps", type=int, default=16, help="steps per speed-leg run")
     ap.add_argument("--quality-steps", type=int, default=600)
+    ap.add_argument("--rows", nargs="+", choices=ROWS, default=list(ROWS),
+                    help="speed-leg rows (default: all)")
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args(argv)
     model, warmup = ("tiny", 2) if args.quick else ("small", 2)
@@ -178,7 +186,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.leg in ("speed", "both"):
         ok, why = available()
         if ok:
-            rep["speed"] = [speed_leg(r, model, args.steps, warmup) for r in args.bandwidth]
+            rep["speed"] = [speed_leg(r, model, args.steps, warmup, tuple(args.rows))
+                            for r in args.bandwidth]
         else:
             print(f"speed leg skipped: {why}", file=sys.stderr)
             rep["speed_skipped"] = why

@@ -183,6 +183,13 @@ def test_two_level_checkpoints_resume_and_change_layout(tmp_path):
             assert torch.equal(r["params"], other[0]["params"])
             assert r["mass_err"] < 1e-4 * r["mass_scale"]
             assert torch.isfinite(r["params"]).all()
+    flat_ckpt = tmp_path / "flat"
+    flat_ckpt.mkdir()
+    _run("flat4", 0.9, 5, save=str(flat_ckpt))
+    back = _run("hier", 0.9, 3, load=str(flat_ckpt), start=5)  # and the reverse
+    for r in back:
+        assert torch.equal(r["params"], back[0]["params"])
+        assert r["mass_err"] < 1e-4 * r["mass_scale"]
 
 
 def test_two_levels_with_bf16_wire_and_clipping():
