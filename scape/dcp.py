@@ -46,14 +46,16 @@ KEY = "scape"
 
 def _spans(b: Any) -> list[list[tuple[int, int]]]:
     """Per parameter of bucket ``b``, per rank: the ``(lo, hi)`` of the parameter's flattened
-    coordinates that rank owns (``lo == hi``: none)."""
+    coordinates that rank owns (``lo == hi == numel``: none). An empty part sits at the end,
+    never at an offset where another rank's part starts: DCP's save keeps one chunk per
+    ``(key, offset)`` across ranks, and could keep the empty one."""
     out = []
     for o, n in zip(b.offsets, b.numels):
         row = []
         for r in range(b.world):
             lo = min(max(r * b.shard_size - o, 0), n)
             hi = min(max((r + 1) * b.shard_size - o, 0), n)
-            row.append((lo, hi))
+            row.append((lo, hi) if hi > lo else (n, n))
         out.append(row)
     return out
 
