@@ -10,10 +10,14 @@ import math
 import os
 from typing import Any
 
-from bench.gpt import PRESETS, check_group_sparsity
+from bench.gpt import PRESETS as GPT_PRESETS
+from bench.gpt import check_group_sparsity
+from bench.llama import PRESETS as LLAMA_PRESETS
 from bench.optimizers import OPTIMIZERS as REGISTRY
 from bench.optimizers import check_kwargs
 
+PRESETS = {**GPT_PRESETS, **LLAMA_PRESETS}
+"""Values of ``RunConfig.model``: :mod:`bench.gpt`'s and :mod:`bench.llama`'s presets."""
 OPTIMIZERS = tuple(REGISTRY)
 """Values of ``RunConfig.optimizer``: the names of :data:`bench.optimizers.OPTIMIZERS`."""
 
@@ -37,7 +41,7 @@ class RunConfig:
     embedding matrices, the tied head, into a group of their own); None: ``sparsity``
     everywhere. SCAPE rows only."""
     model: str = "small"
-    """:mod:`bench.gpt` preset (``tiny``, ``small``, ``base``)."""
+    """:mod:`bench.gpt` preset (``tiny``, ``small``, ``base``) or :mod:`bench.llama` preset."""
     world: int = 4
     """Number of ranks (processes)."""
     steps: int = 100
@@ -57,6 +61,8 @@ class RunConfig:
     weight_decay: float = 0.1
     """On the attention and MLP matrices; norms and embeddings get none
     (:func:`bench.gpt.param_groups`)."""
+    one_group: bool = False
+    """One param group, ``weight_decay`` on every parameter (a newcomer's setup)."""
     seed: int = 0
     """Model initialisation and data order."""
     eval_every: int = 50
@@ -64,7 +70,8 @@ class RunConfig:
     eval_seqs: int = 64
     """Fixed held-out windows of the validation split."""
     data: str | None = None
-    """Text file or directory (None: the interpreter's standard library)."""
+    """Text file or directory (None: the interpreter's standard library; ``"pydoc-topics"``:
+    :mod:`bench.prose`)."""
     threads: int | None = None
     """torch threads per rank (None: ``max(1, cpu_count // world)``)."""
     timing_skip: int | None = None
@@ -101,6 +108,8 @@ class RunConfig:
                 raise ValueError(f"RunConfig.group_sparsity applies to the {' and '.join(takes)}"
                                  f" rows, not {self.optimizer!r}")
             check_group_sparsity(self.group_sparsity)  # param_groups' checks, before launch
+            if self.one_group:
+                raise ValueError("RunConfig.group_sparsity needs one_group=False")
         if entry.needs_sparsity and self.sparsity == 0.0:
             raise ValueError(f"RunConfig.sparsity must be > 0 for optimizer "
                              f"{self.optimizer!r} (use 'adams' for dense), got 0.0")

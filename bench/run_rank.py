@@ -19,10 +19,12 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from bench import netns_nodes
 from bench.comm_timing import DDPCounter, timed_communicator
-from bench.data import batch_at, eval_loss, load_corpus
-from bench.gpt import GPT, get_config, num_params, param_groups
+from bench.data import batch_at, eval_loss
+from bench.gpt import num_params, param_groups
+from bench.llama import make_model
 from bench.nullcomm import NullCommunicator
 from bench.optimizers import OPTIMIZERS, Spec, build
+from bench.prose import load
 from bench.run_config import RunConfig, lr_at
 from scape.comm import HierarchicalCommunicator, TorchCommunicator
 
@@ -30,8 +32,9 @@ from scape.comm import HierarchicalCommunicator, TorchCommunicator
 def _build(cfg: RunConfig, rank: int, world: int, device: torch.device
            ) -> tuple[Any, Any, Any, torch.nn.Module]:
     """``(model_to_call, optimizer, counter, module)``: counter has ``stats`` and ``wait_s``."""
-    module = GPT(get_config(cfg.model), seed=cfg.seed).to(device)
-    groups = param_groups(module, cfg.weight_decay, cfg.group_sparsity)
+    module = make_model(cfg.model, seed=cfg.seed).to(device)
+    groups = [{"params": list(module.parameters()), "weight_decay": cfg.weight_decay}] \
+        if cfg.one_group else param_groups(module, cfg.weight_decay, cfg.group_sparsity)
     for g in groups:
         g.pop("name", None)
     entry = OPTIMIZERS[cfg.optimizer]
@@ -116,7 +119,7 @@ def rank_main(rank: int, world: int, cfg_dict: dict[str, Any], init_file: str,
 
 
 def _train(cfg: RunConfig, rank: int, world: int) -> dict[str, Any]:
-    corpus = load_corpus(cfg.data)
+    corpus = load(cfg.data)
     device = torch.device("cuda", torch.cuda.current_device()) if cfg.device == "cuda" \
         else torch.device("cpu")
     model, opt, counter, module = _build(cfg, rank, world, device)

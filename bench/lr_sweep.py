@@ -1,0 +1,256 @@
+"""Each optimizer at its own best learning rate, per workload and training length.
+
+A comparison at one shared learning rate can flatter the optimizer whose steps are smaller (it
+tolerates a larger lr), so this job gives every optimizer the same grid of peak learning rates
+(``--lrs``, default 3e-4, 1e-3, 3e-3), picks per optimizer, workload and length the lr with
+the lowest final validation loss (the mean over ``--seeds``), and reports the **ratio of
+bests**: an optimizer's best loss over dense sharded AdamS's best
+(:mod:`bench.lr_sweep_report`). Each length of ``--steps`` is a run of its own (the schedule,
+5% linear warm-up then cosine to 10%, spans the run), so the ratio against length is a curve
+of separate runs, not one run's checkpoints.
+
+Workloads (``--workloads``), both in the **newcomer configuration**: one param group with
+weight decay 0.1 on every parameter (norms, embeddings and head included), the optimizers'
+defaults otherwise (20 dense warm-up steps for the sparse rows):
+
+=========  =============================================================================
+``gpt``    the bundled ``small`` GPT (836,736 parameters, tied head) on the standard
+           library's Python sources (:mod:`bench.gpt`, :mod:`bench.data`)
+``llama``  ``llama-small`` (1,252,992 parameters: RMSNorm, SwiGLU, rotary, untied head) on
+           the English prose CPython ships (:mod:`bench.llama`, :mod:`bench.prose`)
+=========  =============================================================================
+
+Every run is :func:`bench.runner.run` on W=4 gloo ranks (global batch 16 x 128 bytes, betas
+(0.9, 0.95), validation loss on 128 fixed held-out windows). Optimizers (``--optimizers``):
+``adams`` (dense sharded AdamS, the reference), ``scape-<s>``, ``topk-<s>`` (raw-gradient
+top-k, :mod:`bench.topk_baseline`). The JSON (schema ``scape.lr_sweep/1``) is rewritten after
+every run; ``--resume`` keeps the runs of an earlier file with the same settings.
+
+    python -m bench.lr_sweep --steps 600 --out bench/results/lr_sweep_600.json
+    python -m bench.lr_sweep --steps 200 400 --seeds 0 1 --optimizers adams scape-0.99
+    python -m bench.lr_sweep --table bench/results/lr_sweep_*.json --plot ratio.png
+    python -m bench.lr_sweep --smoke --out /tmp/sweep.json          # seconds (CI)
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import itertools
+import json
+import math
+import os
+import sys
+import time
+from typing import Any
+
+from bench.compare import parse_name
+from bench.compare_report import environment
+from bench.lr_sweep_report import markdown, plot_ratios, select_best
+from bench.runner import RunConfig, run
+
+SCHEMA = "scape.lr_sweep/1"
+WORKLOADS: dict[str, dict[str, Any]] = {
+    "gpt": {"model": "small", "data": None, "label": "small GPT, stdlib sources"},
+    "llama": {"model": "llama-small", "data": "pydoc-topics",
+              "label": "llama-small, pydoc prose"},
+}
+SMOKE_WORKLOADS: dict[str, dict[str, Any]] = {
+    "gpt": {"model": "tiny", "data": None, "label": "tiny GPT, stdlib sources"},
+    "llama": {"model": "llama-tiny", "data": "pydoc-topics", "label": "llama-tiny, pydoc prose"},
+}
+COMMON: dict[str, Any] = {"world": 4, "batch": 4, "seq": 128, "weight_decay": 0.1,
+                          "one_group": True, "eval_seqs": 128, "warmup_steps": None}
+"""Shared by every run (``warmup_steps`` None: the sparse rows' library default)."""
+SMOKE_COMMON: dict[str, Any] = {"world": 2, "batch": 2, "seq": 32, "weight_decay": 0.1,
+                                "one_group": True, "eval_seqs": 4, "warmup_steps": 2}
+DEFAULTS = {"optimizers": ["adams", "scape-0.9", "scape-0.99", "topk-0.99"],
+            "lrs": [3e-4, 1e-3, 3e-3], "steps": [600]}
+SMOKE = {"optimizers": ["adams", "scape-0.99"], "lrs": [1e-3, 3e-3], "steps": [6]}
+GUESS_STEP_S = {"small": 0.15, "llama-small": 0.2}
+"""Seconds per step on 2 cores before one run of the workload has finished (the ETA)."""
+
+
+def eval_every(steps: int) -> int:
+    """Validation every 100 steps, or four times in a shorter run."""
+    return min(100, max(1, steps // 4))
+
+
+def make_config(workload: dict[str, Any], common: dict[str, Any], optimizer: str, steps: int,
+                lr: float, seed: int, name: str, timeout_s: float) -> RunConfig:
+    opt, sparsity = parse_name(optimizer)
+    kwargs = {} if common["warmup_steps"] is None or opt == "adams" else \
+        {"warmup_steps": common["warmup_steps"]}
+    return RunConfig(optimizer=opt, sparsity=sparsity, optimizer_kwargs=kwargs,
+                     model=workload["model"], data=workload["data"], world=common["world"],
+                     steps=steps, batch=common["batch"], seq=common["seq"], lr=lr,
+                     weight_decay=common["weight_decay"], one_group=common["one_group"],
+                     seed=seed, eval_every=eval_every(steps), eval_seqs=common["eval_seqs"],
+                     log_every=0 if steps < 100 else 100, timeout_s=timeout_s, name=name)
+
+
+def record(key: dict[str, Any], result: dict[str, Any]) -> dict[str, Any]:
+    """The JSON record of one run: its key, final and curve losses, cost."""
+    loss = result["final_val_loss"]
+    train = result["train_curve"]
+    tail = train[-max(1, len(train) // 20):]
+    return {**key, "final_val_loss": loss if loss is not None and math.isfinite(loss) else None,
+            "val_curve": result["val_curve"],
+            "train_loss_last5pct": sum(tail) / len(tail) if all(map(math.isfinite, tail))
+            else None,
+            "params": result["params"], "ranks_agree": result["param_sha256_ranks_agree"],
+            "dense_steps": result["dense_steps"],
+            "bytes_per_step": result["bytes_per_step_total"],
+            "bytes_per_step_mean_all_steps": result["bytes_per_step_mean_all_steps"],
+            "median_step_s": result["median_step_s"], "wall_s": result["wall_s"]}
+
+
+def _key(r: dict[str, Any]) -> tuple[str, str, int, float, int]:
+    return (r["workload"], r["optimizer"], int(r["steps"]), float(r["lr"]), int(r["seed"]))
+
+
+def _clock(seconds: float) -> str:
+    s = max(0, int(round(seconds)))
+    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
+
+
+def build_report(argv: list[str] | None, settings: dict[str, Any], runs: list[dict[str, Any]],
+                 env: dict[str, Any], wall_s: float, complete: bool) -> dict[str, Any]:
+    labels = {k: w["label"] for k, w in settings["workloads"].items()}
+    best = select_best(runs)
+    return {"schema": SCHEMA,
+            "command": " ".join(["python -m bench.lr_sweep"]
+                                + (sys.argv[1:] if argv is None else list(argv))),
+            "date": datetime.date.today().isoformat(), "environment": env,
+            "settings": settings, "complete": complete, "best": best,
+            "table_md": markdown(best, labels), "runs": runs, "wall_s": wall_s}
+
+
+def _load(paths: list[str]) -> tuple[list[dict[str, Any]], dict[str, str]]:
+    runs: dict[tuple[str, str, int, float, int], dict[str, Any]] = {}
+    labels: dict[str, str] = {}
+    for path in paths:
+        with open(path) as f:
+            d = json.load(f)
+        if d.get("schema") != SCHEMA:
+            raise ValueError(f"{path}: schema {d.get('schema')!r}, expected {SCHEMA!r}")
+        labels.update({k: w["label"] for k, w in d["settings"]["workloads"].items()})
+        for r in d["runs"]:
+            if _key(r) in runs and runs[_key(r)]["final_val_loss"] != r["final_val_loss"]:
+                raise ValueError(f"{path}: run {_key(r)} differs from an earlier file's")
+            runs[_key(r)] = r
+    return list(runs.values()), labels
+
+
+def table_main(paths: list[str], plot: str | None) -> int:
+    runs, labels = _load(paths)
+    best = select_best(runs)
+    print(markdown(best, labels))
+    if plot and plot_ratios(best, plot, labels=labels):
+        print(f"wrote {plot}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--workloads", nargs="+", choices=sorted(WORKLOADS), default=None)
+    ap.add_argument("--optimizers", nargs="+", default=None,
+                    help=f"default {' '.join(DEFAULTS['optimizers'])}")
+    ap.add_argument("--lrs", nargs="+", type=float, default=None, help="default 3e-4 1e-3 3e-3")
+    ap.add_argument("--steps", nargs="+", type=int, default=None,
+                    help="training lengths, one run each (default 600)")
+    ap.add_argument("--seeds", nargs="+", type=int, default=[0])
+    ap.add_argument("--out", default=None,
+                    help="JSON path (default bench/results/lr_sweep.json; --smoke: required)")
+    ap.add_argument("--plot", default=None, help="PNG of the ratio of bests against steps "
+                    "(default: the JSON's path with .png)")
+    ap.add_argument("--resume", action="store_true", help="keep --out's runs of this plan")
+    ap.add_argument("--timeout", type=float, default=1800.0, help="deadline per run (s)")
+    ap.add_argument("--table", nargs="+", default=None, metavar="FILE",
+                    help="only report (and --plot) the runs of these JSON files")
+    ap.add_argument("--smoke", action="store_true", help="tiny models, W=2, seconds (CI)")
+    args = ap.parse_args(argv)
+    if args.table:
+        return table_main(args.table, args.plot)
+    base = SMOKE if args.smoke else DEFAULTS
+    optimizers = args.optimizers or base["optimizers"]
+    lrs, lengths = args.lrs or base["lrs"], args.steps or base["steps"]
+    if args.smoke and args.out is None:
+        ap.error("--smoke needs --out")
+    out = args.out or os.path.join("bench", "results", "lr_sweep.json")
+    pool = SMOKE_WORKLOADS if args.smoke else WORKLOADS
+    workloads = {k: pool[k] for k in (args.workloads or list(pool))}
+    common = SMOKE_COMMON if args.smoke else COMMON
+    try:
+        for o in optimizers:
+            parse_name(o)
+        if "adams" not in optimizers:
+            raise ValueError("--optimizers must include adams (every ratio divides by it)")
+        if min(lrs) <= 0 or min(lengths) < 1:
+            raise ValueError("--lrs must be > 0 and --steps >= 1")
+    except ValueError as e:
+        ap.error(str(e))
+    settings = {"workloads": workloads, "common": common, "optimizers": optimizers,
+                "lrs": lrs, "steps": lengths, "seeds": args.seeds}
+    plan = [{"workload": w, "optimizer": o, "steps": s, "lr": lr, "seed": seed}
+            for s, w, seed, o, lr in itertools.product(lengths, workloads, args.seeds,
+                                                       optimizers, lrs)]
+    runs: list[dict[str, Any]] = []
+    if args.resume and os.path.exists(out):
+        with open(out) as f:
+            old = json.load(f)
+        if old.get("schema") != SCHEMA or {k: old["settings"].get(k) for k in
+                                           ("workloads", "common")} != \
+                {"workloads": workloads, "common": common}:
+            ap.error(f"--resume: {out} was written with other workloads or settings")
+        wanted = {_key(p) for p in plan}
+        runs = [r for r in old["runs"] if _key(r) in wanted]
+    done = {_key(r) for r in runs}
+    todo = [p for p in plan if _key(p) not in done]
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    rate = {w["model"]: GUESS_STEP_S.get(w["model"], 0.05) for w in workloads.values()}
+    print(f"plan: {len(plan)} runs ({len(plan) - len(todo)} kept from {out}), "
+          f"{len(workloads)} workloads x {len(optimizers)} optimizers x {len(lrs)} lrs x "
+          f"{len(lengths)} lengths x {len(args.seeds)} seeds", flush=True)
+    env = environment("cpu", None)
+    started = time.perf_counter()
+    for i, p in enumerate(todo):
+        w = workloads[p["workload"]]
+        eta = sum(q["steps"] * rate[workloads[q["workload"]]["model"]] + 8 for q in todo[i:])
+        print(f"[{i + 1}/{len(todo)}] {_clock(time.perf_counter() - started)} elapsed, "
+              f"ETA {_clock(eta)} | {p['workload']} {p['optimizer']} lr {p['lr']:g} "
+              f"{p['steps']} steps seed {p['seed']}", flush=True)
+        name = f"{p['workload']}/{p['optimizer']}/lr{p['lr']:g}/s{p['seed']}"
+        result = run(make_config(w, common, p["optimizer"], p["steps"], p["lr"], p["seed"],
+                                 name, args.timeout))
+        rate[w["model"]] = result["wall_s"] / p["steps"]
+        runs.append(record(p, result))
+        loss = runs[-1]["final_val_loss"]
+        print(f"    val {fmt_loss(loss)} in {result['wall_s']:.0f} s", flush=True)
+        _write(out, build_report(argv, settings, runs, env, time.perf_counter() - started,
+                                 complete=False))
+    report = build_report(argv, settings, runs, env, time.perf_counter() - started, True)
+    _write(out, report)
+    print(report["table_md"])
+    plot = args.plot or os.path.splitext(out)[0] + ".png"
+    written = [out]
+    if plot and plot_ratios(report["best"], plot,
+                            labels={k: w["label"] for k, w in workloads.items()}):
+        written.append(plot)
+    print(f"wrote {', '.join(written)}")
+    return 0
+
+
+def fmt_loss(loss: float | None) -> str:
+    return "diverged" if loss is None else f"{loss:.4f}"
+
+
+def _write(path: str, report: dict[str, Any]) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(report, f, indent=1)
+    os.replace(tmp, path)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
