@@ -222,7 +222,7 @@ class SCAPE(ShardedOptimizer):
                 work.wait()
                 node.land(i, self.buckets[i], recv, self.max_grad_norm is not None)
 
-    def _grad_buffer(self, i: int, dense: bool) -> torch.Tensor:
+    def _grad_buffer(self, i: int) -> torch.Tensor:
         node = self._node
         if node is None or node.res[i] is None:
             return self.buckets[i].grad_flat
@@ -249,7 +249,7 @@ class SCAPE(ShardedOptimizer):
         if self.rule.observe is not None and self.masks[i] is not None:
             b = self.buckets[i]
             if self._node is not None:
-                own = self._grad_buffer(i, False)[self._node.shard_in_slice(b)]
+                own = self._grad_buffer(i)[self._node.shard_in_slice(b)]
             else:
                 own = b.grad_flat[b.shard]
             self.rule.observe(self.shards[i], own, self.error_feedback)
@@ -291,7 +291,7 @@ class SCAPE(ShardedOptimizer):
         inp = res.div(node.per_node).to(self.grad_comm_dtype)
         res.zero_()
         g = torch.empty(b.shard_size, dtype=self.grad_comm_dtype, device=b.device)
-        return g, self.comm.inter.reduce_scatter(g, inp, op="avg")  # type: ignore[attr-defined]
+        return g, node.comm.inter.reduce_scatter(g, inp, op="avg")
 
     def _dense_update(self, i: int, g: torch.Tensor, hp: dict, model_out: torch.Tensor) -> None:
         s = self.shards[i]
@@ -308,7 +308,7 @@ class SCAPE(ShardedOptimizer):
         assert mask is not None
         node, comm, src = self._node, self.comm, b.grad_flat
         if node is not None:  # across nodes only, from the node's residual over the slice
-            comm, src = self.comm.inter, self._grad_buffer(i, False)  # type: ignore[attr-defined]
+            comm, src = node.comm.inter, self._grad_buffer(i)
             mask = node.mask_rows(mask, mask_state.n_local)
         with phase("scape/take", b.device):
             c = take_(src, mask, self.block_size,

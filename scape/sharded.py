@@ -174,7 +174,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def _observe(self, i: int) -> None:
         """Called for every bucket at the start of every step, before anything is sent."""
 
-    def _grad_buffer(self, i: int, dense: bool) -> torch.Tensor:
+    def _grad_buffer(self, i: int) -> torch.Tensor:
         """What bucket ``i`` sends from this step: its gradient and residual (the non-finite
         check and the residual's norm read it)."""
         return self.buckets[i].grad_flat
@@ -397,7 +397,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         local = torch.zeros(5 if clip else 2, dtype=torch.float32, device=device)
         self._pre_sumsq = []
         for i in range(len(self.buckets)):
-            s = grad_stats(self._grad_buffer(i, dense_flags[i]))
+            s = grad_stats(self._grad_buffer(i))
             self._pre_sumsq.append(s[0])
             local[1] += s[1]
         # 2. take + reduce-scatter, every bucket in flight together

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from scape.buffers import Bucket
+from scape.comm import HierarchicalCommunicator
 from scape.kernels import grad_stats
 
 
@@ -36,7 +37,8 @@ class NodeLevel:
     """Per sparse bucket, the node's residual over this rank's slice, and the norm of the
     node's fresh gradient (for clipping, :func:`scape.sharded.clip_norm`)."""
 
-    def __init__(self, comm: Any, buckets: list[Bucket], sparse: list[bool]) -> None:
+    def __init__(self, comm: HierarchicalCommunicator, buckets: list[Bucket],
+                 sparse: list[bool]) -> None:
         self.comm = comm
         self.nodes, self.per_node = comm.nodes, comm.per_node
         self.place = comm.intra.rank
