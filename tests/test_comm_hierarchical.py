@@ -157,3 +157,22 @@ def test_nccl_levels_all_gather_in_group_order():
     for r in run_ranks(_nccl_levels, NODES * PER_NODE, timeout=180):
         assert r["ok"]
         assert r["stats"]["inter/all_gather"]["bytes"] == NODES * 5 * 4
+
+
+def _torchtitan_mesh(rank: int, world: int) -> tuple[int, int, int]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from scape.comm import HierarchicalCommunicator, as_communicator
+
+    mesh = init_device_mesh("cpu", (NODES, PER_NODE, 1),
+                            mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+    comm = as_communicator(mesh["dp_replicate", "dp_shard"])  # the mesh a trainer has
+    assert isinstance(comm, HierarchicalCommunicator)
+    return comm.rank, comm.nodes, comm.per_node
+
+
+def test_a_torchtitan_style_mesh_gives_its_data_parallel_dimensions():
+    for rank, (me, nodes, per_node) in enumerate(run_ranks(_torchtitan_mesh, 4, timeout=120)):
+        node, place = divmod(rank, PER_NODE)
+        assert (nodes, per_node) == (NODES, PER_NODE)
+        assert me == place * NODES + node
