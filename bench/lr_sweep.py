@@ -209,6 +209,8 @@ def main(argv: list[str] | None = None) -> int:
     todo = [p for p in plan if _key(p) not in done]
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     rate = {w["model"]: GUESS_STEP_S.get(w["model"], 0.05) for w in workloads.values()}
+    for r in runs:  # measured by a kept run
+        rate[workloads[r["workload"]]["model"]] = r["wall_s"] / r["steps"]
     print(f"plan: {len(plan)} runs ({len(plan) - len(todo)} kept from {out}), "
           f"{len(workloads)} workloads x {len(optimizers)} optimizers x {len(lrs)} lrs x "
           f"{len(lengths)} lengths x {len(args.seeds)} seeds", flush=True)

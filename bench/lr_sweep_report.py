@@ -124,7 +124,8 @@ def curves(rows: Sequence[dict[str, Any]], reference: str = REFERENCE
 def plot_ratios(rows: Sequence[dict[str, Any]], path: str, title: str = "",
                 labels: dict[str, str] | None = None) -> bool:
     """The ratio of bests against training length, one line per optimizer and workload
-    (colour: optimizer; line style: workload), with 1 and the goals 1.01 and 1.03 marked."""
+    (colour: optimizer; line style and marker: workload), with 1 and the goals 1.01 and 1.03
+    marked."""
     plt = _pyplot()
     lines = curves(rows)
     if plt is None or not lines:
@@ -132,18 +133,19 @@ def plot_ratios(rows: Sequence[dict[str, Any]], path: str, title: str = "",
     labels = labels or {}
     optimizers = list(dict.fromkeys(o for _, o in lines))
     workloads = list(dict.fromkeys(w for w, _ in lines))
-    styles = ["-", "--", ":", "-."]
+    styles, markers = ["-", "--", ":", "-."], ["o", "s", "^", "D"]
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
     for (workload, optimizer), pts in lines.items():
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=4,
-                color=f"C{optimizers.index(optimizer)}",
-                linestyle=styles[workloads.index(workload) % len(styles)],
+        k = workloads.index(workload)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=markers[k % len(markers)],
+                ms=5, color=f"C{optimizers.index(optimizer)}", linestyle=styles[k % len(styles)],
                 label=f"{optimizer}, {labels.get(workload, workload)}")
     ax.axhline(1.0, color="black", lw=0.8)
     for goal in (1.01, 1.03):
         ax.axhline(goal, color="grey", lw=0.6, ls=":")
     steps = sorted({p[0] for pts in lines.values() for p in pts})
     ax.set_xscale("log")
+    ax.set_xlim(steps[0] / 1.5, steps[-1] * 1.5)
     ax.set_xticks(steps)
     ax.set_xticklabels([str(s) for s in steps])
     ax.minorticks_off()
