@@ -3,7 +3,7 @@
 With a :class:`scape.comm.HierarchicalCommunicator` (R nodes of G ranks; rank
 ``o = l * R + n`` is place ``l`` of node ``n``), the flat buffer of a sparse bucket is cut
 into G *slices*, slice ``l`` being the shards of the R ranks ``l * R .. l * R + R - 1``: the
-ranks with place ``l`` in every node. A sparse step then runs in two parts:
+ranks with place ``l`` in every node. Every step of such a bucket then runs in two parts:
 
 1. **Inside the node, dense**: a sum reduce-scatter of the whole gradient buffer over the
    node's G ranks; rank ``(n, l)`` adds what it receives (the node's gradient over slice l)
@@ -12,7 +12,8 @@ ranks with place ``l`` in every node. A sparse step then runs in two parts:
 2. **Across nodes, sparse**: the R ranks of slice l run the flat SCAPE step among
    themselves on ``res`` (the node's gradient plus what it has not sent yet): take at the
    slice's mask, reduce-scatter across nodes, update, all-gather the new values. The masks
-   are made by the shards' owners, one step late, as in the flat optimizer.
+   are made by the shards' owners, one step late, as in the flat optimizer. A dense step
+   (warm-up, ``dense_every``) sends the whole residual across instead.
 
 The parameter all-gather and the mask all-gather are the communicator's two-level ones
 (across nodes first: only the slice's ``K / G`` values cross the node's link per rank; then
