@@ -41,9 +41,8 @@ class _Chain(Work):
     """A first collective in flight and the second one, launched once the first is done."""
 
     def __init__(self, owner: HierarchicalCommunicator, first: Work,
-                 second: Callable[[], Work], finish: Callable[[], None] | None = None):
+                 second: Callable[[], Work]):
         self._owner, self._first, self._second = owner, first, second
-        self._finish = finish
         self._work: Work | None = None
         self._done = False
 
@@ -59,9 +58,7 @@ class _Chain(Work):
         self._owner._advance(self)
         assert self._work is not None
         self._work.wait()
-        if self._finish is not None:
-            self._finish()
-        self._done, self._finish = True, None
+        self._done = True
 
     def is_completed(self) -> bool:
         return self._done or (self._work is not None and self._work.is_completed())
@@ -135,9 +132,8 @@ class HierarchicalCommunicator(Communicator):
                 return
         upto.launch()
 
-    def _chain(self, first: Work, second: Callable[[], Work],
-               finish: Callable[[], None] | None = None) -> Work:
-        chain = _Chain(self, first, second, finish)
+    def _chain(self, first: Work, second: Callable[[], Work]) -> Work:
+        chain = _Chain(self, first, second)
         self._queue.append(chain)
         return chain
 
