@@ -13,9 +13,7 @@ from bench.run_config import RunConfig
 from bench.two_level import PER_NODE, formula
 from scape.rules import block_budget
 from tests.test_bench_smoke import _run
-
-_OK, _REASON = netns.available()
-needs_netns = pytest.mark.skipif(not _OK, reason=f"network namespaces unavailable: {_REASON}")
+from tests.test_netns import _OK, needs_netns
 
 
 @needs_netns
