@@ -258,6 +258,26 @@ def test_gain_topk(benchmark, data, sparsity):
 
 
 @pytest.mark.parametrize("sparsity", SPARSITIES)
+def test_noise_gain_topk_(benchmark, data, sparsity):
+    """The default rule's whole pass over the shard before the take (explore 10%): reads buf,
+    prev, age, s2, s2w, mu, writes prev, age, s2, s2w, mu (44 bytes per coordinate); per
+    entry of this step's mask reads the offset and the old age, writes it out and zeroes the
+    age; writes the next int16 mask. On the CPU it is noise_ema_, the ages, gain_score (into a
+    reused buffer) and blockwise_topk: the bytes counted are the fused kernel's."""
+    benchmark.group = "default rule, per shard"
+    k = _k(sparsity)
+    cur = _mask(data, sparsity)
+    buf = data["g"]
+    prev, age, s2, mu = (data[x].clone() for x in ("score", "age", "v", "m"))
+    s2w = torch.full((N,), 0.9, device=DEVICE)
+    out = torch.empty(N, device=DEVICE)
+    n_idx = (N // BLOCK) * k
+    _run(benchmark, lambda: kernels.noise_gain_topk_(
+        buf, prev, age, s2, s2w, mu, cur, k, BLOCK, k_explore=round(0.1 * k), beta=0.95,
+        beta1=0.9, world=8, out=out), N * 44 + n_idx * (14 + 2), elements=N)
+
+
+@pytest.mark.parametrize("sparsity", SPARSITIES)
 def test_catchup_agree_(benchmark, data, sparsity):
     """The default rule's catch-up: per mask entry idx, g, p/m/age/s2/s2w read, p/m/age and
     model_out written; per shard coordinate age += 1 and the trust RMS's read of p."""

@@ -8,7 +8,8 @@ two-level form in :mod:`scape.kernels.topk_torch`; ``SCAPE_KERNELS=triton|torch`
 from .catchup import catchup_agree_
 from .moments import adams_dense_, adams_sparse_, adamw_dense_
 from .pack import absmax_scales, pack_values, packed_nbytes, unpack_values
-from .select import gain_topk
+from .reference import restore_ages_
+from .select import gain_topk, noise_gain_topk_
 from .sparse import gather, scatter_, take_
 from .stats import gain_score, grad_stats, noise_ema_
 from .topk import blockwise_topk
@@ -26,6 +27,8 @@ __all__ = [
     "noise_ema_",
     "gain_score",
     "gain_topk",
+    "noise_gain_topk_",
+    "restore_ages_",
     "pack_values",
     "unpack_values",
     "packed_nbytes",

@@ -106,15 +106,16 @@ def check_blocked(name: str, t: torch.Tensor, block_size: int) -> int:
     return n // block_size
 
 
-def check_idx(idx: object, n_blocks: int, block_size: int) -> tuple[int, int]:
+def check_idx(idx: object, n_blocks: int, block_size: int,
+              name: str = "idx") -> tuple[int, int]:
     """int16 ``[n_blocks, k]`` block-local offsets; returns (n_blocks, k)."""
-    t = check_tensor("idx", idx, dtypes=(torch.int16,), ndim=2)
+    t = check_tensor(name, idx, dtypes=(torch.int16,), ndim=2)
     rows, k = t.shape
     if rows != n_blocks:
         raise ValueError(
-            f"idx must have one row per block: expected {n_blocks} rows; got {rows}")
+            f"{name} must have one row per block: expected {n_blocks} rows; got {rows}")
     if not (1 <= k <= block_size):
-        raise ValueError(f"idx must have 1..block_size={block_size} columns; got {k}")
+        raise ValueError(f"{name} must have 1..block_size={block_size} columns; got {k}")
     return rows, k
 
 

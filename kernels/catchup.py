@@ -12,7 +12,9 @@ coordinate) and, with a trust bound, the sum of squares of ``p`` (4). A barrier,
 block's ``k`` mask entries: read ``idx`` (2), ``g`` (``s``), ``p``, ``m``, ``age``, ``s2``,
 ``s2w`` (20); write ``p``, ``m``, ``age = 0`` (12) and ``model_out`` (``o``). Bytes per step:
 ``12 S + K (34 + s + o)`` (``8 S`` without trust), ``S`` the shard's length, ``K`` the mask's.
-The age read at a mask entry after the barrier is already ``a + 1``.
+The age read at a mask entry after the barrier is already ``a + 1``. With ``age_at_mask``
+(the ages advanced by :func:`scape.kernels.noise_gain_topk_`) the ages are not touched:
+``4 S + K (30 + s + o)``.
 """
 
 from __future__ import annotations
@@ -38,18 +40,22 @@ from ._triton import tl, triton
 
 
 @triton.jit
-def _catchup_agree_kernel(p_p, p_m, p_age, p_s2, p_s2w, p_g, p_idx, p_out, k, lr, beta2,
-                          eps, world, var_m_ratio, log_beta1, log_decay, reach_scale,
+def _catchup_agree_kernel(p_p, p_m, p_age, p_s2, p_s2w, p_g, p_idx, p_out, p_waited, k, lr,
+                          beta2, eps, world, var_m_ratio, log_beta1, log_decay, reach_scale,
                           BLOCK_SIZE: tl.constexpr, CHUNK: tl.constexpr,
                           K_TILE: tl.constexpr, HAS_TRUST: tl.constexpr,
-                          HAS_DECAY: tl.constexpr, HAS_OUT: tl.constexpr):
+                          HAS_DECAY: tl.constexpr, HAS_OUT: tl.constexpr,
+                          AGED: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     base = b * BLOCK_SIZE
-    # 1. the block, streamed once: every coordinate ages; the trust bound's sum of squares
+    # 1. the block, streamed once: every coordinate ages (unless AGED: the ages were
+    # advanced before and p_waited holds the mask entries' old ones); the trust bound's sum
+    # of squares
     b_sumsq = tl.zeros((CHUNK,), tl.float32)
     for start in range(0, BLOCK_SIZE, CHUNK):
         offs = base + start + tl.arange(0, CHUNK)
-        tl.store(p_age + offs, tl.load(p_age + offs) + 1)
+        if not AGED:
+            tl.store(p_age + offs, tl.load(p_age + offs) + 1)
         if HAS_TRUST:
             b_x = tl.load(p_p + offs)
             b_sumsq += b_x * b_x
@@ -61,7 +67,10 @@ def _catchup_agree_kernel(p_p, p_m, p_age, p_s2, p_s2w, p_g, p_idx, p_out, k, lr
         m_j = j < k
         compact = b * k + j
         flat = base + tl.load(p_idx + compact, mask=m_j, other=0).to(tl.int64)
-        b_a1 = tl.load(p_age + flat, mask=m_j, other=1).to(tl.float32)  # a + 1 by now
+        if AGED:
+            b_a1 = tl.load(p_waited + compact, mask=m_j, other=0).to(tl.float32) + 1.0
+        else:
+            b_a1 = tl.load(p_age + flat, mask=m_j, other=1).to(tl.float32)  # a + 1 by now
         b_g = tl.load(p_g + compact, mask=m_j, other=0.0).to(tl.float32) / b_a1
         b_p = tl.load(p_p + flat, mask=m_j, other=0.0)
         b_m = tl.load(p_m + flat, mask=m_j, other=0.0)
@@ -81,7 +90,8 @@ def _catchup_agree_kernel(p_p, p_m, p_age, p_s2, p_s2w, p_g, p_idx, p_out, k, lr
         b_p = b_p - lr * (b_m / denom) * steps
         tl.store(p_p + flat, b_p, mask=m_j)
         tl.store(p_m + flat, b_m, mask=m_j)
-        tl.store(p_age + flat, tl.zeros((K_TILE,), tl.int32), mask=m_j)
+        if not AGED:
+            tl.store(p_age + flat, tl.zeros((K_TILE,), tl.int32), mask=m_j)
         if HAS_OUT:
             tl.store(p_out + compact, b_p.to(p_out.dtype.element_ty), mask=m_j)
 
@@ -98,7 +108,8 @@ def catchup_agree_triton(p: torch.Tensor, m: torch.Tensor, age: torch.Tensor,
                          idx: torch.Tensor, block_size: int, *, lr: float, beta1: float,
                          beta2: float, eps: float, weight_decay: float, world: int,
                          trust: float | None = None,
-                         model_out: torch.Tensor | None = None) -> None:
+                         model_out: torch.Tensor | None = None,
+                         age_at_mask: torch.Tensor | None = None) -> None:
     """Launch :func:`_catchup_agree_kernel`, one program per block (validated arguments)."""
     n_blocks, k = idx.shape
     cfg = catchup_config(block_size, k)
@@ -107,19 +118,21 @@ def catchup_agree_triton(p: torch.Tensor, m: torch.Tensor, age: torch.Tensor,
     log_beta1 = math.log(beta1) if beta1 > 0.0 else -1e30
     log_decay = math.log1p(-lr * weight_decay) if weight_decay != 0.0 else 0.0
     _catchup_agree_kernel[(n_blocks,)](
-        p, m, age, s2, s2w, g, idx, model_out if model_out is not None else p, k, lr, beta2,
+        p, m, age, s2, s2w, g, idx, model_out if model_out is not None else p,
+        age if age_at_mask is None else age_at_mask, k, lr, beta2,
         eps, float(world), (1.0 - beta1) / (1.0 + beta1), log_beta1, log_decay,
         trust / lr if has_trust else 0.0,  # type: ignore[operator]
         BLOCK_SIZE=block_size, CHUNK=cfg["CHUNK"], K_TILE=cfg["K_TILE"], HAS_TRUST=has_trust,
         HAS_DECAY=weight_decay != 0.0, HAS_OUT=model_out is not None,
-        num_warps=cfg["num_warps"])
+        AGED=age_at_mask is not None, num_warps=cfg["num_warps"])
 
 
 def catchup_agree_(p: torch.Tensor, m: torch.Tensor, age: torch.Tensor, s2: torch.Tensor,
                    s2w: torch.Tensor, g: torch.Tensor, idx: torch.Tensor, block_size: int, *,
                    lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
                    world: int, trust: float | None = None,
-                   model_out: torch.Tensor | None = None) -> None:
+                   model_out: torch.Tensor | None = None,
+                   age_at_mask: torch.Tensor | None = None) -> None:
     """The agreement catch-up at the mask, in place; every other coordinate ages.
 
     ``p``, ``m``, ``s2``, ``s2w`` fp32 and ``age`` int32 cover the shard (``s2 / s2w`` the
@@ -138,7 +151,10 @@ def catchup_agree_(p: torch.Tensor, m: torch.Tensor, age: torch.Tensor, s2: torc
 
     then ``age = 0``; elsewhere ``age += 1``. ``rms_b`` is the RMS of the coordinate's block
     of ``p`` before the update. ``model_out`` (compact) receives the new ``p`` cast to its
-    dtype. ``world`` is the number of ranks whose mean ``g`` is.
+    dtype. ``world`` is the number of ranks whose mean ``g`` is. ``age_at_mask`` (int32,
+    compact), if given, holds the mask entries' ages ``a`` and says the ages were advanced
+    already (:func:`scape.kernels.noise_gain_topk_`): ``age`` is then neither read nor
+    written.
     """
     for name, t in (("p", p), ("m", m), ("s2", s2), ("s2w", s2w)):
         check_tensor(name, t, dtypes=(torch.float32,), ndim=1)
@@ -152,6 +168,10 @@ def catchup_agree_(p: torch.Tensor, m: torch.Tensor, age: torch.Tensor, s2: torc
     check_numel("g", g, n_blocks * k, "one per mask entry")
     check_same_device(p=p, m=m, age=age, s2=s2, s2w=s2w, g=g, idx=idx)
     check_out("model_out", model_out, n_blocks * k, "one per mask entry", "p", p)
+    if age_at_mask is not None:
+        check_tensor("age_at_mask", age_at_mask, dtypes=(torch.int32,), ndim=1)
+        check_numel("age_at_mask", age_at_mask, n_blocks * k, "one per mask entry")
+        check_same_device(p=p, age_at_mask=age_at_mask)
     lr, beta1, beta2, eps, weight_decay = check_hparams(
         lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
     if isinstance(world, bool) or not isinstance(world, int) or world < 1:
@@ -164,7 +184,7 @@ def catchup_agree_(p: torch.Tensor, m: torch.Tensor, age: torch.Tensor, s2: torc
         return catchup_agree_triton(p, m, age, s2, s2w, g, idx, block_size, lr=lr,
                                     beta1=beta1, beta2=beta2, eps=eps,
                                     weight_decay=weight_decay, world=world, trust=trust,
-                                    model_out=model_out)
+                                    model_out=model_out, age_at_mask=age_at_mask)
     reference.catchup_agree_(p, m, age, s2, s2w, g, idx, block_size, lr=lr, beta1=beta1,
                              beta2=beta2, eps=eps, weight_decay=weight_decay, world=world,
-                             trust=trust, model_out=model_out)
+                             trust=trust, model_out=model_out, age_at_mask=age_at_mask)

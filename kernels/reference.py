@@ -160,15 +160,18 @@ def _log(x: float) -> float:
     return math.log(x) if x > 0.0 else -math.inf
 
 
-def _write_selected(p: torch.Tensor, m: torch.Tensor, age: torch.Tensor, flat: torch.Tensor,
+def _write_selected(p: torch.Tensor, m: torch.Tensor, age: torch.Tensor | None,
+                    flat: torch.Tensor,
                     p_sel: torch.Tensor, m_sel: torch.Tensor,
                     model_out: torch.Tensor | None) -> None:
     """The end of a sparse update: the masked coordinates' new weights and moments back into
-    the shard, every age up by one and the masked ones reset, the new weights to the model."""
+    the shard, every age up by one and the masked ones reset (``age`` None: advanced before),
+    the new weights to the model."""
     p.index_copy_(0, flat, p_sel)
     m.index_copy_(0, flat, m_sel)
-    age.add_(1)
-    age.index_fill_(0, flat, 0)
+    if age is not None:
+        age.add_(1)
+        age.index_fill_(0, flat, 0)
     if model_out is not None:
         model_out.copy_(p_sel)
 
@@ -310,14 +313,16 @@ def catchup_agree_(p: torch.Tensor, m: torch.Tensor, age: torch.Tensor, s2: torc
                    s2w: torch.Tensor, g: torch.Tensor, idx: torch.Tensor, block_size: int, *,
                    lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
                    world: int, trust: float | None = None,
-                   model_out: torch.Tensor | None = None) -> None:
+                   model_out: torch.Tensor | None = None,
+                   age_at_mask: torch.Tensor | None = None) -> None:
     """The agreement catch-up at the mask (see ``scape.kernels.catchup_agree_``), in the
     order of ``scape.rules.catchup_snr(..., agree=True)``, whose result it equals bit for bit.
     The per-block RMS of ``p`` is taken ``_CHUNK`` entries at a time (no shard-sized
     temporary; each block's mean is the same reduction)."""
     flat = _flat(idx, block_size)
     p_sel, m_sel = p.index_select(0, flat), m.index_select(0, flat)
-    a1 = age.index_select(0, flat).float().add_(1.0)
+    waited = age.index_select(0, flat) if age_at_mask is None else age_at_mask
+    a1 = waited.float().add_(1.0)
     gbar = g.float() / a1
     denom = (m_sel * m_sel).mul_(beta2).addcmul_(gbar, gbar, value=1.0 - beta2)
     denom.sqrt_().add_(eps)
@@ -343,4 +348,37 @@ def catchup_agree_(p: torch.Tensor, m: torch.Tensor, age: torch.Tensor, s2: torc
     if weight_decay != 0.0:
         p_sel.mul_(a1.mul(math.log1p(-lr * weight_decay)).exp_())
     p_sel.addcmul_(m_sel / denom, steps, value=-lr)
-    _write_selected(p, m, age, flat, p_sel, m_sel, model_out)
+    _write_selected(p, m, age if age_at_mask is None else None, flat, p_sel, m_sel,
+                    model_out)
+
+
+def advance_ages_(age: torch.Tensor, idx: torch.Tensor, block_size: int) -> torch.Tensor:
+    """A sparse step's ages, in place: every age up by one, the mask's (``idx``) reset to 0;
+    returns the mask entries' ages from before (int32, compact, block-major)."""
+    flat = _flat(idx, block_size)
+    before = age.index_select(0, flat)
+    age.add_(1)
+    age.index_fill_(0, flat, 0)
+    return before
+
+
+def restore_ages_(age: torch.Tensor, idx: torch.Tensor, block_size: int,
+                  age_at_mask: torch.Tensor) -> None:
+    """Undo :func:`advance_ages_` (a step skipped after its ages were advanced)."""
+    age.sub_(1)
+    age.index_copy_(0, _flat(idx, block_size), age_at_mask)
+
+
+def noise_gain_topk_(buf: torch.Tensor, prev: torch.Tensor, age: torch.Tensor,
+                     s2: torch.Tensor, s2w: torch.Tensor, mu: torch.Tensor, cur: torch.Tensor,
+                     k: int, block_size: int, *, k_explore: int, beta: float, span: float,
+                     var_m_scale: float,
+                     error_feedback: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The noise EMAs, the ages advanced at ``cur``, then the mask of largest gain (see
+    ``scape.kernels.noise_gain_topk_``)."""
+    noise_ema_(buf, prev, age, s2, s2w, beta=beta, error_feedback=error_feedback, mu=mu)
+    age_at_mask = advance_ages_(age, cur, block_size)
+    score = gain_score(mu, s2, s2w, age, span=span, var_m_scale=var_m_scale, prev=prev)
+    idx = blockwise_topk(score, k, block_size, age=age if k_explore else None,
+                         k_explore=k_explore)
+    return idx, age_at_mask

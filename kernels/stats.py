@@ -90,6 +90,21 @@ def grad_stats(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
+def _ema(b_buf, b_prev, b_age, b_s2, b_s2w, b_mu, beta, ERROR_FEEDBACK: tl.constexpr):
+    """One step of the noise EMAs on loaded entries: the new ``(s2, s2w, mu)``. Shared by
+    :func:`_noise_ema_kernel` and the fused mask (``scape.kernels.select``), so both keep the
+    same fp32 values."""
+    if ERROR_FEEDBACK:
+        b_local = b_buf - tl.where(b_age == 0, 0.0, b_prev)
+    else:
+        b_local = b_buf
+    m_ok = tl.abs(b_local) < float("inf")  # NaN compares false: not an observation
+    return (tl.where(m_ok, b_s2 * beta + (1.0 - beta) * (b_local * b_local), b_s2),
+            tl.where(m_ok, b_s2w * beta + (1.0 - beta), b_s2w),
+            tl.where(m_ok, b_mu * beta + (1.0 - beta) * b_local, b_mu))
+
+
+@triton.jit
 def _noise_ema_kernel(p_buf, p_prev, p_age, p_s2, p_s2w, p_mu, n, beta,
                       ERROR_FEEDBACK: tl.constexpr, HAS_MU: tl.constexpr, TILE: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * TILE + tl.arange(0, TILE)
@@ -98,19 +113,20 @@ def _noise_ema_kernel(p_buf, p_prev, p_age, p_s2, p_s2w, p_mu, n, beta,
     if ERROR_FEEDBACK:
         b_prev = tl.load(p_prev + offs, mask=m_n, other=0.0)
         b_age = tl.load(p_age + offs, mask=m_n, other=0)
-        b_local = b_buf - tl.where(b_age == 0, 0.0, b_prev)
     else:
-        b_local = b_buf
+        b_prev = b_buf
+        b_age = tl.zeros((TILE,), tl.int32)
     b_s2 = tl.load(p_s2 + offs, mask=m_n, other=0.0)
     b_s2w = tl.load(p_s2w + offs, mask=m_n, other=0.0)
-    m_ok = tl.abs(b_local) < float("inf")  # NaN compares false: not an observation
-    tl.store(p_s2 + offs, tl.where(m_ok, b_s2 * beta + (1.0 - beta) * (b_local * b_local), b_s2),
-             mask=m_n)
-    tl.store(p_s2w + offs, tl.where(m_ok, b_s2w * beta + (1.0 - beta), b_s2w), mask=m_n)
     if HAS_MU:
         b_mu = tl.load(p_mu + offs, mask=m_n, other=0.0)
-        tl.store(p_mu + offs, tl.where(m_ok, b_mu * beta + (1.0 - beta) * b_local, b_mu),
-                 mask=m_n)
+    else:
+        b_mu = b_s2w
+    b_s2, b_s2w, b_mu = _ema(b_buf, b_prev, b_age, b_s2, b_s2w, b_mu, beta, ERROR_FEEDBACK)
+    tl.store(p_s2 + offs, b_s2, mask=m_n)
+    tl.store(p_s2w + offs, b_s2w, mask=m_n)
+    if HAS_MU:
+        tl.store(p_mu + offs, b_mu, mask=m_n)
     tl.store(p_prev + offs, b_buf, mask=m_n)
 
 
@@ -169,17 +185,20 @@ def noise_ema_(buf: torch.Tensor, prev: torch.Tensor, age: torch.Tensor, s2: tor
 
 
 @triton.jit
-def _gain(p_mu, p_s2, p_s2w, p_prev, offs, m_n, b_age, span, var_m_scale,
-          HAS_PREV: tl.constexpr):
-    """The gain score of the entries ``offs`` (``b_age`` their int32 ages, loaded by the
-    caller): shared by :func:`_gain_score_kernel` and the fused selection
-    (``scape.kernels.select``), so both rank the same fp32 values."""
-    b_w = tl.maximum(tl.load(p_s2w + offs, mask=m_n, other=1.0), 1e-12)
-    b_ema = tl.load(p_mu + offs, mask=m_n, other=0.0) / b_w
-    b_var = tl.maximum(tl.load(p_s2 + offs, mask=m_n, other=0.0) / b_w - b_ema * b_ema, 0.0)
+def _gain_moments(b_mu, b_s2, b_s2w):
+    """The mean and variance the gain score reads from loaded EMAs."""
+    b_w = tl.maximum(b_s2w, 1e-12)
+    b_ema = b_mu / b_w
+    return b_ema, tl.maximum(b_s2 / b_w - b_ema * b_ema, 0.0)
+
+
+@triton.jit
+def _gain_of(b_ema, b_var, b_prev, b_age, span, var_m_scale, HAS_PREV: tl.constexpr):
+    """The gain score of loaded entries from :func:`_gain_moments` (``b_age`` int32;
+    ``b_prev`` read only with ``HAS_PREV``): shared by :func:`_gain` and the fused mask
+    (``scape.kernels.select``)."""
     b_a = b_age.to(tl.float32)
     if HAS_PREV:  # the owner's gradient summed over the wait (nothing yet where age == 0)
-        b_prev = tl.load(p_prev + offs, mask=m_n, other=0.0)
         b_cover = span + b_a
         b_mean = (b_ema * span + tl.where(b_a > 0.0, b_prev, 0.0)) / b_cover
         b_noise = b_var / b_cover
@@ -189,6 +208,22 @@ def _gain(p_mu, p_s2, p_s2w, p_prev, offs, m_n, b_age, span, var_m_scale,
     b_sig = tl.sqrt(tl.maximum(b_mean * b_mean - b_noise, 0.0))
     b_frac = tl.math.erf(b_sig / tl.sqrt(b_var * (2.0 * var_m_scale) + 1e-30))
     return b_sig * tl.maximum(b_frac * (b_a + 1.0), 1.0)
+
+
+@triton.jit
+def _gain(p_mu, p_s2, p_s2w, p_prev, offs, m_n, b_age, span, var_m_scale,
+          HAS_PREV: tl.constexpr):
+    """The gain score of the entries ``offs`` (``b_age`` their int32 ages, loaded by the
+    caller): shared by :func:`_gain_score_kernel` and ``scape.kernels.gain_topk``, so both
+    rank the same fp32 values."""
+    if HAS_PREV:
+        b_prev = tl.load(p_prev + offs, mask=m_n, other=0.0)
+    else:
+        b_prev = b_age
+    b_ema, b_var = _gain_moments(tl.load(p_mu + offs, mask=m_n, other=0.0),
+                                 tl.load(p_s2 + offs, mask=m_n, other=0.0),
+                                 tl.load(p_s2w + offs, mask=m_n, other=1.0))
+    return _gain_of(b_ema, b_var, b_prev, b_age, span, var_m_scale, HAS_PREV)
 
 
 @triton.jit

@@ -94,16 +94,18 @@ def _specs(dt: str) -> list[tuple[str, object, dict, dict, int]]:
                {"HAS_PREV": has_prev, "TILE": stats.GAIN_TILE}, 8) for has_prev in (False, True)]
     catchup_sig = {"p_p": "*fp32", "p_m": "*fp32", "p_age": "*i32", "p_s2": "*fp32",
                    "p_s2w": "*fp32", "p_g": f"*{dt}", "p_idx": "*i16", "p_out": f"*{dt}",
-                   "k": "i32", **{n: "fp32" for n in ("lr", "beta2", "eps", "world",
+                   "p_waited": "*i32", "k": "i32",
+                   **{n: "fp32" for n in ("lr", "beta2", "eps", "world",
                                                        "var_m_ratio", "log_beta1",
                                                        "log_decay", "reach_scale")},
                    **{n: "constexpr" for n in ("BLOCK_SIZE", "CHUNK", "K_TILE", "HAS_TRUST",
-                                               "HAS_DECAY", "HAS_OUT")}}
-    for block, k in ((4096, 41), (32768, 3277)):
+                                               "HAS_DECAY", "HAS_OUT", "AGED")}}
+    for block, k, aged in ((4096, 41, False), (4096, 41, True), (32768, 3277, False)):
         ccfg = catchup.catchup_config(block, k)
-        specs.append((f"catchup_agree_ B={block}", catchup._catchup_agree_kernel, catchup_sig,
+        specs.append((f"catchup_agree_ B={block}{' (aged)' if aged else ''}",
+                      catchup._catchup_agree_kernel, catchup_sig,
                       {"BLOCK_SIZE": block, "CHUNK": ccfg["CHUNK"], "K_TILE": ccfg["K_TILE"],
-                       "HAS_TRUST": True, "HAS_DECAY": True, "HAS_OUT": True},
+                       "HAS_TRUST": True, "HAS_DECAY": True, "HAS_OUT": True, "AGED": aged},
                       ccfg["num_warps"]))
     for block in (4096, 8192):
         specs.append((f"gain_topk B={block}", select._gain_topk_kernel,
@@ -112,6 +114,17 @@ def _specs(dt: str) -> list[tuple[str, object, dict, dict, int]]:
                        "span": "fp32", "var_m_scale": "fp32", "BLOCK_SIZE": "constexpr",
                        "HAS_PREV": "constexpr", "HAS_EXPLORE": "constexpr"},
                       {"BLOCK_SIZE": block, "HAS_PREV": True, "HAS_EXPLORE": True},
+                      select.gain_topk_warps(block)))
+    for block, k_cur in ((1024, 11), (4096, 41), (4096, 410)):  # up to select.FUSED_MAX
+        specs.append((f"noise_gain_topk_ B={block} k={k_cur}", select._noise_gain_topk_kernel,
+                      {**{f"p_{n}": "*fp32" for n in ("buf", "prev")}, "p_age": "*i32",
+                       **{f"p_{n}": "*fp32" for n in ("s2", "s2w", "mu")}, "p_cur": "*i16",
+                       "p_waited": "*i32", "p_idx": "*i16", "k_cur": "i32", "k": "i32",
+                       "k_explore": "i32", "beta": "fp32", "span": "fp32",
+                       "var_m_scale": "fp32", "BLOCK_SIZE": "constexpr", "K_TILE": "constexpr",
+                       "ERROR_FEEDBACK": "constexpr", "HAS_EXPLORE": "constexpr"},
+                      {"BLOCK_SIZE": block, "K_TILE": min(1 << (k_cur - 1).bit_length(), 1024),
+                       "ERROR_FEEDBACK": True, "HAS_EXPLORE": True},
                       select.gain_topk_warps(block)))
     return specs
 
