@@ -56,6 +56,7 @@ class _MaskState:
         self.next: torch.Tensor | None = None  # mask for the next sparse step [n_blocks, k]
         self.work: Any = None  # the all-gather filling `next`, if still in flight
         self.local: torch.Tensor | None = None  # this rank's rows of `next`
+        self.made: torch.Tensor | None = None  # the next local mask, made before the take
 
     def wait(self) -> torch.Tensor | None:
         if self.work is not None:
@@ -244,20 +245,37 @@ class SCAPE(ShardedOptimizer):
         return super()._residual(i)
 
     def _observe(self, i: int) -> None:
-        """Give the rule the owner's slice of its own buffer (before the take)."""
-        assert self.rule is not None
-        if self.rule.observe is not None and self.masks[i] is not None:
-            b = self.buckets[i]
-            if self._node is not None:
-                own = self._grad_buffer(i)[self._node.shard_in_slice(b)]
-            else:
-                own = b.grad_flat[b.shard]
-            self.rule.observe(self.shards[i], own, self.error_feedback)
+        """Give the rule the owner's slice of its own buffer (before the take); where this
+        step and the next are sparse and the rule can, it makes the next mask here too."""
+        rule, mask = self.rule, self.masks[i]
+        assert rule is not None
+        if rule.observe is None or mask is None:
+            return
+        b = self.buckets[i]
+        if self._node is not None:
+            own = self._grad_buffer(i)[self._node.shard_in_slice(b)]
+        else:
+            own = b.grad_flat[b.shard]
+        if rule.observe_select is None or mask.local is None or self._is_dense(i) or \
+                self._schedule_dense(self._step + 1):
+            rule.observe(self.shards[i], own, self.error_feedback)
+            return
+        mask.k, mask.k_explore = block_budget(self.param_groups[b.group]["sparsity"],
+                                              self.block_size, self.explore)
+        with phase("scape/mask", b.device):
+            mask.made = rule.observe_select(self.shards[i], own, self.error_feedback,
+                                            self._hp(b), mask.local, mask.k, mask.k_explore,
+                                            self.block_size)
 
     def _after_skip(self) -> None:
         """The residuals were cleared: let the rule forget what it kept of the buffer."""
         if self._node is not None:
             self._node.clear()
+        for s, m in zip(self.shards, self.masks):
+            if m is not None and m.made is not None:  # the step's ages were advanced: undo
+                assert m.local is not None
+                rules.unadvance_ages(s, m.local, self.block_size)
+                m.made = None
         if self.rule is not None and self.rule.reset is not None:
             for s in self.shards:
                 self.rule.reset(s)
@@ -341,6 +359,9 @@ class SCAPE(ShardedOptimizer):
         assert self.rule is not None
         with phase("scape/update", b.device):
             self.rule.update(self.shards[i], g, rows, self.block_size, hp, values)
+        if self.shards[i].age_at_mask is not None:
+            raise RuntimeError(f"rule {self.update!r}: its observe_select advanced the ages but "
+                               "its update did not take shard.age_at_mask (see Rule)")
         gathered = torch.empty(mask.numel(), dtype=b.dtype, device=b.device)
         with phase("scape/all_gather", b.device):
             work = self.comm.all_gather(gathered, values)
@@ -367,7 +388,9 @@ class SCAPE(ShardedOptimizer):
             mask_state.k, mask_state.k_explore = block_budget(
                 self.param_groups[b.group]["sparsity"], self.block_size, self.explore)
             with phase("scape/mask", b.device):
-                if self.rule.select is not None:  # score and selection fused
+                if mask_state.made is not None:  # made before the take (observe_select)
+                    idx, mask_state.made = mask_state.made, None
+                elif self.rule.select is not None:  # score and selection fused
                     idx = self.rule.select(s, self._hp(b), mask_state.k, mask_state.k_explore,
                                            self.block_size)
                 else:

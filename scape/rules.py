@@ -54,7 +54,7 @@ from typing import Any
 
 import torch
 
-from scape.kernels import adams_sparse_, noise_ema_
+from scape.kernels import adams_sparse_, noise_ema_, noise_gain_topk_, restore_ages_
 from scape.kernels import catchup_agree_ as kernel_catchup_agree_
 from scape.kernels import gain_score as kernel_gain_score
 from scape.kernels import gain_topk as kernel_gain_topk
@@ -70,6 +70,9 @@ class ShardState:
     extra: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
     work: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict, repr=False)
     """Buffers a rule reuses from step to step (its score): not state, never saved."""
+    age_at_mask: torch.Tensor | None = dataclasses.field(default=None, repr=False)
+    """Within a step whose ages ``observe_select`` advanced already: the ages its mask's
+    entries had before (int32, compact), for the update; None otherwise."""
 
     def buffer(self, name: str) -> torch.Tensor:
         """The fp32 shard-sized buffer ``work[name]``, allocated on first use."""
@@ -114,11 +117,18 @@ class Rule:
     """Makes the next mask itself, ``select(shard, hp, k, k_explore, block_size)`` -> int16
     ``[n_blocks, k]`` offsets: the mask ``blockwise_topk`` would take from ``score``, with the
     two fused (:func:`gain_select_residual`). None: ``blockwise_topk`` of ``score``."""
+    observe_select: Callable[..., torch.Tensor] | None = None
+    """``observe``, the step's ages and ``select`` in one pass over the shard, before the
+    take (:func:`observe_select_residual`): ``observe_select(shard, buf, error_feedback, hp,
+    cur, k, k_explore, block_size)`` -> the next mask, where ``cur`` is the rank's rows of
+    this step's mask; it leaves the old ages at ``cur`` in ``shard.age_at_mask``, and
+    ``update`` must take them from there and set it back to None (:func:`catchup_agree`
+    does). The optimizer calls it when this step and the next are sparse."""
 
     def __post_init__(self) -> None:
         if not callable(self.update):
             raise TypeError(f"Rule.update must be callable, got {type(self.update).__name__}")
-        for name in ("score", "observe", "reset", "select"):
+        for name in ("score", "observe", "reset", "select", "observe_select"):
             fn = getattr(self, name)
             if fn is not None and not callable(fn):
                 raise TypeError(f"Rule.{name} must be callable or None, got "
@@ -370,7 +380,31 @@ def catchup_agree(shard: ShardState, g: torch.Tensor, idx: torch.Tensor, block_s
     kernel_catchup_agree_(shard.master, shard.m, shard.age, ex["s2"], ex["s2w"], g, idx,
                           block_size, lr=hp["lr"], beta1=hp["beta1"], beta2=hp["beta2"],
                           eps=hp["eps"], weight_decay=hp["weight_decay"],
-                          world=hp.get("world", 1), trust=trust, model_out=model_out)
+                          world=hp.get("world", 1), trust=trust, model_out=model_out,
+                          age_at_mask=shard.age_at_mask)
+    shard.age_at_mask = None
+
+
+def observe_select_residual(shard: ShardState, buf: torch.Tensor, error_feedback: bool,
+                            hp: dict, cur: torch.Tensor, k: int, k_explore: int,
+                            block_size: int) -> torch.Tensor:
+    """:func:`observe_local_moments`, the step's ages (advanced at its mask ``cur``, as the
+    catch-up would) and :func:`gain_select_residual` on them, in one pass over the shard
+    before the take (:func:`scape.kernels.noise_gain_topk_`: one kernel on a GPU). The
+    masks, the state and the catch-up are those of the three called in turn, bit for bit."""
+    ex = shard.extra
+    idx, shard.age_at_mask = noise_gain_topk_(
+        buf, ex["prev"], shard.age, ex["s2"], ex["s2w"], ex["mu"], cur, k, block_size,
+        k_explore=k_explore, beta=NOISE_BETA, beta1=hp["beta1"], world=hp.get("world", 1),
+        error_feedback=error_feedback, out=shard.buffer("score"))
+    return idx
+
+
+def unadvance_ages(shard: ShardState, cur: torch.Tensor, block_size: int) -> None:
+    """A step skipped after :func:`observe_select_residual` advanced its ages: put them back."""
+    if shard.age_at_mask is not None:
+        restore_ages_(shard.age, cur, block_size, shard.age_at_mask)
+        shard.age_at_mask = None
 
 
 GAIN_SCORES: tuple[ScoreFn, ...] = (gain_score, gain_score_residual)
@@ -398,8 +432,10 @@ def gain_selected(update: UpdateFn, score: ScoreFn = gain_score_residual, **kw: 
 
 
 RULES: dict[str, Rule] = {
-    "auto": gain_selected(functools.partial(catchup_agree, trust=0.5)),
-    "robust": gain_selected(functools.partial(catchup_agree, trust=0.25)),
+    "auto": gain_selected(functools.partial(catchup_agree, trust=0.5),
+                          observe_select=observe_select_residual),
+    "robust": gain_selected(functools.partial(catchup_agree, trust=0.25),
+                            observe_select=observe_select_residual),
     "sqrt": Rule(catchup_sqrt, accumulated_score),
     "lazy": Rule(lazy),
 }

@@ -94,6 +94,9 @@ RESEARCH_RULES: dict[str, Rule] = {
     "catchup_agree_trust4_gain": gain_selected(functools.partial(catchup_agree, trust=0.25),
                                                gain_score),
     "catchup_agree_trust2_gainr": RULES["auto"],
+    # the default with its pass before the take split into the three ops (observe, then the
+    # catch-up's own ages, then select): the same steps bit for bit, the check of the fusion
+    "auto_three_passes": dataclasses.replace(RULES["auto"], observe_select=None),
     "catchup_agree_trust4_gainr": RULES["robust"],
 }
 """Every research rule by name (registered on import)."""
