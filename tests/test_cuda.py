@@ -316,6 +316,41 @@ def test_gain_topk_is_the_mask_of_the_score():
     assert same_cpu >= 0.95, f"GPU and CPU masks equal in {same_cpu:.3f} of the blocks"
 
 
+def test_noise_gain_topk_equals_the_ops_in_turn():
+    """The default's fused pass before the take against noise_ema_, the ages and gain_topk
+    launched one after the other on the GPU (shared arithmetic helpers: the same fp32 values,
+    up to the compiler's contractions), then against the CPU."""
+    block_size, n_blocks, k, k_explore = 4096, 512, 41, 4
+    n = block_size * n_blocks
+    gen = seeded("cuda-noise-gain-topk")
+    mu, s2, s2w, age = gain_inputs(gen, n)
+    buf, prev = torch.randn(n, generator=gen) * 0.05, torch.randn(n, generator=gen) * 0.05
+    cur = random_mask(n_blocks, block_size, k, gen)
+    kw = dict(beta=0.95, beta1=0.9, world=8)
+    host = [buf, prev, age, s2, s2w, mu, cur]
+    fused_in = [t.to(DEV) for t in host]
+    turn_in = [t.to(DEV) for t in host]
+    idx, waited = kernels.noise_gain_topk_(*fused_in, k, block_size, k_explore=k_explore, **kw)
+    b, pv, ag, a2, aw, am, c = turn_in
+    kernels.noise_ema_(b, pv, ag, a2, aw, beta=0.95, error_feedback=True, mu=am)
+    flat = flat_positions(cur, block_size).to(DEV)
+    want_waited = ag[flat].clone()
+    ag.add_(1).index_fill_(0, flat, 0)  # the step's ages, as torch ops
+    want = kernels.gain_topk(am, a2, aw, ag, k, block_size, k_explore=k_explore, prev=pv, **kw)
+    assert torch.equal(_cpu(waited), _cpu(want_waited))
+    assert torch.equal(_cpu(fused_in[2]), _cpu(ag)), "ages"
+    for name, x, y in (("s2", fused_in[3], a2), ("s2w", fused_in[4], aw), ("mu", fused_in[5], am),
+                       ("prev", fused_in[1], pv)):
+        torch.testing.assert_close(_cpu(x), _cpu(y), rtol=2e-7, atol=0, msg=name)
+    same = (_cpu(idx) == _cpu(want)).all(dim=1).float().mean().item()
+    assert same >= 0.999, f"fused mask equals the ops' in {same:.4f} of the blocks"
+    cpu_idx, cpu_waited = kernels.noise_gain_topk_(*host, k, block_size, k_explore=k_explore,
+                                                   **kw)
+    assert torch.equal(_cpu(waited), cpu_waited)
+    same_cpu = (_cpu(idx) == cpu_idx).all(dim=1).float().mean().item()
+    assert same_cpu >= 0.95, f"GPU and CPU masks equal in {same_cpu:.3f} of the blocks"
+
+
 @pytest.mark.parametrize("bits", [2, 4, 8])
 def test_pack_unpack_match_cpu_bitwise(bits):
     n, group = 64 * 1000 + 64, 64
@@ -394,7 +429,7 @@ def test_nccl_single_rank_equals_torch_communicator():
 
 
 @pytest.mark.parametrize("update,launched", [
-    (None, ("_noise_ema_kernel", "_catchup_agree_kernel", "_gain_topk_kernel")),
+    (None, ("_noise_gain_topk_kernel", "_catchup_agree_kernel")),
     ("catchup_sqrt_accum", ("_adams_sparse_kernel", "_blockwise_topk_kernel"))],
     ids=["default", "sqrt"])
 def test_step_launches_triton_kernels_and_balances_nvtx(monkeypatch, update, launched):
