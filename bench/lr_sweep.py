@@ -169,6 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--table", nargs="+", default=None, metavar="FILE",
                     help="only report (and --plot) the runs of these JSON files")
     ap.add_argument("--smoke", action="store_true", help="tiny models, W=2, seconds (CI)")
+    ap.add_argument("--warmup-steps", type=int, default=None, metavar="N",
+                    help="dense warm-up steps of the sparse rows (default: the library's)")
     args = ap.parse_args(argv)
     if args.table:
         return table_main(args.table, args.plot)
@@ -180,7 +182,11 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or os.path.join("bench", "results", "lr_sweep.json")
     pool = SMOKE_WORKLOADS if args.smoke else WORKLOADS
     workloads = {k: pool[k] for k in (args.workloads or list(pool))}
-    common = SMOKE_COMMON if args.smoke else COMMON
+    common = dict(SMOKE_COMMON if args.smoke else COMMON)
+    if args.warmup_steps is not None:
+        if args.warmup_steps < 0:
+            ap.error(f"--warmup-steps must be >= 0, got {args.warmup_steps}")
+        common["warmup_steps"] = args.warmup_steps
     try:
         for o in optimizers:
             parse_name(o)

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from bench.llama import PRESETS, Llama, LlamaConfig, apply_rotary, make_model, rotary_tables
+from bench.lr_sweep import COMMON, WORKLOADS, make_config
 from bench.lr_sweep_report import curves, markdown, select_best
 from bench.prose import NAME, chunks, load, load_prose, paragraphs, split
 
@@ -215,3 +216,17 @@ def test_smoke_cli_writes_the_report_and_resumes(tmp_path):
                            capture_output=True, text=True)
     assert again.returncode == 0 and "4 runs (4 kept" in again.stdout, again.stdout[-2000:]
     assert json.loads(out.read_text())["best"] == report["best"]
+
+
+def test_warmup_steps_reach_the_sparse_rows_only():
+    common = dict(COMMON, warmup_steps=4)
+    wl = WORKLOADS["gpt"]
+    assert make_config(wl, common, "scape-0.99", 600, 3e-4, 0, "x", 60.0) \
+        .optimizer_kwargs == {"warmup_steps": 4}
+    assert make_config(wl, common, "adams", 600, 3e-4, 0, "x", 60.0).optimizer_kwargs == {}
+    assert make_config(wl, COMMON, "scape-0.99", 600, 3e-4, 0, "x", 60.0) \
+        .optimizer_kwargs == {}
+    proc = subprocess.run([sys.executable, "-m", "bench.lr_sweep", "--smoke", "--out", "x.json",
+                           "--warmup-steps", "-1"], cwd=ROOT, timeout=60, capture_output=True,
+                          text=True, env=dict(os.environ, PYTHONPATH=ROOT))
+    assert proc.returncode == 2 and "--warmup-steps must be >= 0" in proc.stderr
