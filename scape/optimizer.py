@@ -271,14 +271,17 @@ class SCAPE(ShardedOptimizer):
         """The residuals were cleared: let the rule forget what it kept of the buffer."""
         if self._node is not None:
             self._node.clear()
-        for s, m in zip(self.shards, self.masks):
-            if m is not None and m.made is not None:  # the step's ages were advanced: undo
-                assert m.local is not None
-                rules.unadvance_ages(s, m.local, self.block_size)
-                m.made = None
+        self._undo_ahead()
         if self.rule is not None and self.rule.reset is not None:
             for s in self.shards:
                 self.rule.reset(s)
+
+    def _undo_ahead(self) -> None:
+        for s, m in zip(self.shards, self.masks):
+            if m is not None and m.made is not None:  # ages advanced before the take: back
+                assert m.local is not None  # (unless the update already took them)
+                rules.unadvance_ages(s, m.local, self.block_size)
+                m.made = None
 
     def _schedule_dense(self, t: int) -> bool:
         return t <= self.warmup_steps or (self.dense_every > 0 and t % self.dense_every == 0)

@@ -216,6 +216,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def _after_skip(self) -> None:
         """Called after a skipped step, once the gradient buffers (residuals) are cleared."""
 
+    def _undo_ahead(self) -> None:
+        """After a failed or skipped step: undo what it did ahead of its update."""
+
     def _step_mask(self, i: int, dense: bool) -> torch.Tensor | None:
         """The mask bucket ``i`` synchronized this step (None when dense)."""
         return None
@@ -358,8 +361,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.check_usable()
         try:
             return self._run_step(closure)
-        except CommError as e:  # the group is broken: refuse to go on from a partial step
-            self._failed = e
+        except BaseException as e:
+            self._undo_ahead()
+            if isinstance(e, CommError):  # the group is broken: refuse to go on from a
+                self._failed = e  # partial step
             raise
 
     @torch.no_grad()
