@@ -184,8 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     workloads = {k: pool[k] for k in (args.workloads or list(pool))}
     common = dict(SMOKE_COMMON if args.smoke else COMMON)
     if args.warmup_steps is not None:
-        if args.warmup_steps < 0:
-            ap.error(f"--warmup-steps must be >= 0, got {args.warmup_steps}")
+        if args.warmup_steps < 1:  # the first mask is taken from a dense step's moment
+            ap.error(f"--warmup-steps must be >= 1, got {args.warmup_steps}")
         common["warmup_steps"] = args.warmup_steps
     try:
         for o in optimizers:

@@ -227,6 +227,6 @@ def test_warmup_steps_reach_the_sparse_rows_only():
     assert make_config(wl, COMMON, "scape-0.99", 600, 3e-4, 0, "x", 60.0) \
         .optimizer_kwargs == {}
     proc = subprocess.run([sys.executable, "-m", "bench.lr_sweep", "--smoke", "--out", "x.json",
-                           "--warmup-steps", "-1"], cwd=ROOT, timeout=60, capture_output=True,
+                           "--warmup-steps", "0"], cwd=ROOT, timeout=60, capture_output=True,
                           text=True, env=dict(os.environ, PYTHONPATH=ROOT))
-    assert proc.returncode == 2 and "--warmup-steps must be >= 0" in proc.stderr
+    assert proc.returncode == 2 and "--warmup-steps must be >= 1" in proc.stderr
