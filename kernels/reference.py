@@ -170,8 +170,7 @@ def _write_selected(p: torch.Tensor, m: torch.Tensor, age: torch.Tensor | None,
     p.index_copy_(0, flat, p_sel)
     m.index_copy_(0, flat, m_sel)
     if age is not None:
-        age.add_(1)
-        age.index_fill_(0, flat, 0)
+        _age_step_(age, flat)
     if model_out is not None:
         model_out.copy_(p_sel)
 
@@ -357,9 +356,14 @@ def advance_ages_(age: torch.Tensor, idx: torch.Tensor, block_size: int) -> torc
     returns the mask entries' ages from before (int32, compact, block-major)."""
     flat = _flat(idx, block_size)
     before = age.index_select(0, flat)
+    _age_step_(age, flat)
+    return before
+
+
+def _age_step_(age: torch.Tensor, flat: torch.Tensor) -> None:
+    """Every age up by one, those at the flat positions ``flat`` reset to 0."""
     age.add_(1)
     age.index_fill_(0, flat, 0)
-    return before
 
 
 def restore_ages_(age: torch.Tensor, idx: torch.Tensor, block_size: int,

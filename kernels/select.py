@@ -30,6 +30,7 @@ from ._checks import (
     check_blocked,
     check_idx,
     check_int,
+    check_numel,
     check_same_device,
     check_tensor,
     use_triton,
@@ -146,6 +147,11 @@ FUSED_MAX = 4096
 inputs on top of the search's registers spill (ptxas, sm_80 and sm_90, at 16 and 32 warps)."""
 
 
+def cur_tile(k_cur: int) -> int:
+    """Entries of this step's mask handled per pass of :func:`_noise_gain_topk_kernel`."""
+    return min(triton.next_power_of_2(k_cur), 1024)
+
+
 def noise_gain_topk_triton(buf: torch.Tensor, prev: torch.Tensor, age: torch.Tensor,
                            s2: torch.Tensor, s2w: torch.Tensor, mu: torch.Tensor,
                            cur: torch.Tensor, k: int, block_size: int, *, k_explore: int,
@@ -157,7 +163,7 @@ def noise_gain_topk_triton(buf: torch.Tensor, prev: torch.Tensor, age: torch.Ten
     waited = torch.empty(n_blocks * k_cur, dtype=torch.int32, device=buf.device)
     _noise_gain_topk_kernel[(n_blocks,)](
         buf, prev, age, s2, s2w, mu, cur, waited, idx, k_cur, k, k_explore, beta, span,
-        var_m_scale, BLOCK_SIZE=block_size, K_TILE=min(triton.next_power_of_2(k_cur), 1024),
+        var_m_scale, BLOCK_SIZE=block_size, K_TILE=cur_tile(k_cur),
         ERROR_FEEDBACK=error_feedback, HAS_EXPLORE=k_explore > 0,
         num_warps=gain_topk_warps(block_size))
     return idx, waited
@@ -184,8 +190,7 @@ def noise_gain_topk_(buf: torch.Tensor, prev: torch.Tensor, age: torch.Tensor,
     stats.check_gain_inputs(mu, s2, s2w, age, prev)
     n = mu.numel()
     check_tensor("buf", buf, dtypes=(torch.float32,), ndim=1)
-    if buf.numel() != n:
-        raise ValueError(f"buf must have the same length as mu ({n}); got {buf.numel()}")
+    check_numel("buf", buf, n, "same length as mu")
     block_size = check_block_size(block_size)
     n_blocks = check_blocked("mu", mu, block_size)
     check_idx(cur, n_blocks, block_size, name="cur")

@@ -260,8 +260,7 @@ class SCAPE(ShardedOptimizer):
                 self._schedule_dense(self._step + 1):
             rule.observe(self.shards[i], own, self.error_feedback)
             return
-        mask.k, mask.k_explore = block_budget(self.param_groups[b.group]["sparsity"],
-                                              self.block_size, self.explore)
+        self._set_budget(b, mask)
         with phase("scape/mask", b.device):
             mask.made = rule.observe_select(self.shards[i], own, self.error_feedback,
                                             self._hp(b), mask.local, mask.k, mask.k_explore,
@@ -275,6 +274,11 @@ class SCAPE(ShardedOptimizer):
         if self.rule is not None and self.rule.reset is not None:
             for s in self.shards:
                 self.rule.reset(s)
+
+    def _set_budget(self, b: Bucket, mask: _MaskState) -> None:
+        """The next mask's ``k`` and ``k_explore`` from the group's sparsity now."""
+        mask.k, mask.k_explore = block_budget(self.param_groups[b.group]["sparsity"],
+                                              self.block_size, self.explore)
 
     def _undo_ahead(self) -> None:
         for s, m in zip(self.shards, self.masks):
@@ -388,8 +392,7 @@ class SCAPE(ShardedOptimizer):
             if mask_state is None:
                 continue
             s = self.shards[i]
-            mask_state.k, mask_state.k_explore = block_budget(
-                self.param_groups[b.group]["sparsity"], self.block_size, self.explore)
+            self._set_budget(b, mask_state)
             with phase("scape/mask", b.device):
                 if mask_state.made is not None:  # made before the take (observe_select)
                     idx, mask_state.made = mask_state.made, None
@@ -458,8 +461,7 @@ class SCAPE(ShardedOptimizer):
         for b, m, extra in zip(self.buckets, self.masks, extras):
             if m is None:
                 continue
-            m.k, m.k_explore = block_budget(self.param_groups[b.group]["sparsity"],
-                                            self.block_size, self.explore)
+            self._set_budget(b, m)
             m.work = None
             m.next = _fit_mask(_on(extra.get("mask_next"), b.device), m, self.block_size)
             m.current = _fit_mask(_on(extra.get("mask_current"), b.device), m, self.block_size)

@@ -123,7 +123,7 @@ def _specs(dt: str) -> list[tuple[str, object, dict, dict, int]]:
                        "k_explore": "i32", "beta": "fp32", "span": "fp32",
                        "var_m_scale": "fp32", "BLOCK_SIZE": "constexpr", "K_TILE": "constexpr",
                        "ERROR_FEEDBACK": "constexpr", "HAS_EXPLORE": "constexpr"},
-                      {"BLOCK_SIZE": block, "K_TILE": min(1 << (k_cur - 1).bit_length(), 1024),
+                      {"BLOCK_SIZE": block, "K_TILE": select.cur_tile(k_cur),
                        "ERROR_FEEDBACK": True, "HAS_EXPLORE": True},
                       select.gain_topk_warps(block)))
     return specs
