@@ -23,11 +23,14 @@ defaults otherwise (20 dense warm-up steps for the sparse rows):
 Every run is :func:`bench.runner.run` on W=4 gloo ranks (global batch 16 x 128 bytes, betas
 (0.9, 0.95), validation loss on 128 fixed held-out windows). Optimizers (``--optimizers``):
 ``adams`` (dense sharded AdamS, the reference), ``scape-<s>``, ``topk-<s>`` (raw-gradient
-top-k, :mod:`bench.topk_baseline`). The JSON (schema ``scape.lr_sweep/1``) is rewritten after
-every run; ``--resume`` keeps the runs of an earlier file with the same settings.
+top-k, :mod:`bench.topk_baseline`); ``scape-<s>@<rule>`` trains SCAPE with ``update=<rule>``, a
+built-in or research rule name (:mod:`bench.research.rules`). The JSON (schema
+``scape.lr_sweep/1``) is rewritten after every run; ``--resume`` keeps the runs of an earlier
+file with the same settings.
 
     python -m bench.lr_sweep --steps 600 --out bench/results/lr_sweep_600.json
     python -m bench.lr_sweep --steps 200 400 --seeds 0 1 --optimizers adams scape-0.99
+    python -m bench.lr_sweep --optimizers adams scape-0.99 scape-0.99@robust --lrs 3e-4
     python -m bench.lr_sweep --table bench/results/lr_sweep_*.json --plot ratio.png
     python -m bench.lr_sweep --smoke --out /tmp/sweep.json          # seconds (CI)
 """
@@ -47,7 +50,9 @@ from typing import Any
 from bench.compare import parse_name
 from bench.compare_report import environment
 from bench.lr_sweep_report import markdown, plot_ratios, select_best
+from bench.research.rules import registered
 from bench.runner import RunConfig, run
+from scape.rules import RULES
 
 SCHEMA = "scape.lr_sweep/1"
 WORKLOADS: dict[str, dict[str, Any]] = {
@@ -76,11 +81,28 @@ def eval_every(steps: int) -> int:
     return min(100, max(1, steps // 4))
 
 
+def parse_row(optimizer: str) -> tuple[str, float, str | None]:
+    """``"scape-0.99@robust"`` -> ``("scape", 0.99, "robust")``; without ``@``, the rule is
+    None (the optimizer's default). Raises ValueError naming the known rules."""
+    base, at, rule = optimizer.partition("@")
+    opt, sparsity = parse_name(base)
+    if not at:
+        return opt, sparsity, None
+    if opt != "scape":
+        raise ValueError(f"--optimizers: {optimizer!r}: '@<rule>' applies to scape rows only")
+    if registered(rule) not in RULES:
+        raise ValueError(f"--optimizers: {optimizer!r}: unknown rule {rule!r} (known: "
+                         f"{', '.join(sorted(RULES))})")
+    return opt, sparsity, rule
+
+
 def make_config(workload: dict[str, Any], common: dict[str, Any], optimizer: str, steps: int,
                 lr: float, seed: int, name: str, timeout_s: float) -> RunConfig:
-    opt, sparsity = parse_name(optimizer)
-    kwargs = {} if common["warmup_steps"] is None or opt == "adams" else \
+    opt, sparsity, rule = parse_row(optimizer)
+    kwargs: dict[str, Any] = {} if common["warmup_steps"] is None or opt == "adams" else \
         {"warmup_steps": common["warmup_steps"]}
+    if rule is not None:
+        kwargs["update"] = rule
     return RunConfig(optimizer=opt, sparsity=sparsity, optimizer_kwargs=kwargs,
                      model=workload["model"], data=workload["data"], world=common["world"],
                      steps=steps, batch=common["batch"], seq=common["seq"], lr=lr,
@@ -189,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
         common["warmup_steps"] = args.warmup_steps
     try:
         for o in optimizers:
-            parse_name(o)
+            parse_row(o)
         if "adams" not in optimizers:
             raise ValueError("--optimizers must include adams (every ratio divides by it)")
         if min(lrs) <= 0 or min(lengths) < 1:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from bench.llama import PRESETS, Llama, LlamaConfig, apply_rotary, make_model, rotary_tables
-from bench.lr_sweep import COMMON, WORKLOADS, make_config
+from bench.lr_sweep import COMMON, WORKLOADS, make_config, parse_row
 from bench.lr_sweep_report import curves, markdown, select_best
 from bench.prose import NAME, chunks, load, load_prose, paragraphs, split
 
@@ -230,3 +230,21 @@ def test_warmup_steps_reach_the_sparse_rows_only():
                            "--warmup-steps", "0"], cwd=ROOT, timeout=60, capture_output=True,
                           text=True, env=dict(os.environ, PYTHONPATH=ROOT))
     assert proc.returncode == 2 and "--warmup-steps must be >= 1" in proc.stderr
+
+
+def test_a_rule_suffix_reaches_scape_rows_and_bad_ones_are_refused():
+    wl = WORKLOADS["llama"]
+    cfg = make_config(wl, dict(COMMON, warmup_steps=2), "scape-0.9@catchup_agree_trust2_accum",
+                      600, 3e-4, 0, "x", 60.0)
+    assert (cfg.optimizer, cfg.sparsity) == ("scape", 0.9)
+    assert cfg.optimizer_kwargs == {"warmup_steps": 2, "update": "catchup_agree_trust2_accum"}
+    assert parse_row("scape-0.99") == ("scape", 0.99, None)
+    assert parse_row("scape-0.99@robust-explore0.2") == ("scape", 0.99, "robust-explore0.2")
+    with pytest.raises(ValueError, match="unknown rule 'nope'.*auto"):
+        parse_row("scape-0.99@nope")
+    with pytest.raises(ValueError, match="scape rows only"):
+        parse_row("topk-0.99@auto")
+    proc = subprocess.run([sys.executable, "-m", "bench.lr_sweep", "--smoke", "--out", "x.json",
+                           "--optimizers", "adams", "scape-0.99@nope"], cwd=ROOT, timeout=60,
+                          capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=ROOT))
+    assert proc.returncode == 2 and "unknown rule 'nope'" in proc.stderr
