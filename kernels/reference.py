@@ -376,13 +376,14 @@ def restore_ages_(age: torch.Tensor, idx: torch.Tensor, block_size: int,
 def noise_gain_topk_(buf: torch.Tensor, prev: torch.Tensor, age: torch.Tensor,
                      s2: torch.Tensor, s2w: torch.Tensor, mu: torch.Tensor, cur: torch.Tensor,
                      k: int, block_size: int, *, k_explore: int, beta: float, span: float,
-                     var_m_scale: float,
-                     error_feedback: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                     var_m_scale: float, error_feedback: bool,
+                     residual: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """The noise EMAs, the ages advanced at ``cur``, then the mask of largest gain (see
     ``scape.kernels.noise_gain_topk_``)."""
     noise_ema_(buf, prev, age, s2, s2w, beta=beta, error_feedback=error_feedback, mu=mu)
     age_at_mask = advance_ages_(age, cur, block_size)
-    score = gain_score(mu, s2, s2w, age, span=span, var_m_scale=var_m_scale, prev=prev)
+    score = gain_score(mu, s2, s2w, age, span=span, var_m_scale=var_m_scale,
+                       prev=prev if residual else None)
     idx = blockwise_topk(score, k, block_size, age=age if k_explore else None,
                          k_explore=k_explore)
     return idx, age_at_mask

@@ -104,7 +104,8 @@ def gain_topk(mu: torch.Tensor, s2: torch.Tensor, s2w: torch.Tensor, age: torch.
 def _noise_gain_topk_kernel(p_buf, p_prev, p_age, p_s2, p_s2w, p_mu, p_cur, p_waited, p_idx,
                             k_cur, k, k_explore, beta, span, var_m_scale,
                             BLOCK_SIZE: tl.constexpr, K_TILE: tl.constexpr,
-                            ERROR_FEEDBACK: tl.constexpr, HAS_EXPLORE: tl.constexpr):
+                            ERROR_FEEDBACK: tl.constexpr, HAS_EXPLORE: tl.constexpr,
+                            RESIDUAL: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
     base = pid * BLOCK_SIZE
     offs = base + tl.arange(0, BLOCK_SIZE)
@@ -136,8 +137,8 @@ def _noise_gain_topk_kernel(p_buf, p_prev, p_age, p_s2, p_s2w, p_mu, p_cur, p_wa
         tl.store(p_age + flat, tl.zeros((K_TILE,), tl.int32), mask=m_j)
     tl.debug_barrier()
     b_age = tl.load(p_age + offs)
-    # 3. the next mask: the gain score with the wait (prev is this buffer), the block search
-    score = stats._gain_of(b_ema, b_var, b_buf, b_age, span, var_m_scale, True)
+    # 3. the next mask: the gain score (RESIDUAL: with the wait, prev being this buffer)
+    score = stats._gain_of(b_ema, b_var, b_buf, b_age, span, var_m_scale, RESIDUAL)
     topk._select_resident(topk._key_of(score), b_age, p_idx + pid * k, k, k_explore,
                           BLOCK_SIZE, HAS_EXPLORE)
 
@@ -156,7 +157,8 @@ def noise_gain_topk_triton(buf: torch.Tensor, prev: torch.Tensor, age: torch.Ten
                            s2: torch.Tensor, s2w: torch.Tensor, mu: torch.Tensor,
                            cur: torch.Tensor, k: int, block_size: int, *, k_explore: int,
                            beta: float, span: float, var_m_scale: float,
-                           error_feedback: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                           error_feedback: bool,
+                           residual: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch :func:`_noise_gain_topk_kernel`, one program per block (validated arguments)."""
     n_blocks, k_cur = cur.shape
     idx = torch.empty(n_blocks, k, dtype=torch.int16, device=buf.device)
@@ -164,7 +166,7 @@ def noise_gain_topk_triton(buf: torch.Tensor, prev: torch.Tensor, age: torch.Ten
     _noise_gain_topk_kernel[(n_blocks,)](
         buf, prev, age, s2, s2w, mu, cur, waited, idx, k_cur, k, k_explore, beta, span,
         var_m_scale, BLOCK_SIZE=block_size, K_TILE=cur_tile(k_cur),
-        ERROR_FEEDBACK=error_feedback, HAS_EXPLORE=k_explore > 0,
+        ERROR_FEEDBACK=error_feedback, HAS_EXPLORE=k_explore > 0, RESIDUAL=residual,
         num_warps=gain_topk_warps(block_size))
     return idx, waited
 
@@ -173,14 +175,16 @@ def noise_gain_topk_(buf: torch.Tensor, prev: torch.Tensor, age: torch.Tensor,
                      s2: torch.Tensor, s2w: torch.Tensor, mu: torch.Tensor, cur: torch.Tensor,
                      k: int, block_size: int, *, k_explore: int = 0, beta: float,
                      beta1: float, world: int, error_feedback: bool = True,
+                     residual: bool = True,
                      out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """A sparse step's work over the shard before its gradient is synchronized, in place:
     :func:`scape.kernels.noise_ema_` (with ``mu``), then the step's ages (every age up by one,
     those of the step's own mask ``cur`` reset to 0), then the next mask
-    :func:`gain_topk` with the wait ``prev`` (now this ``buf``) on the new ages. Returns the
-    next mask (int16 ``[n_blocks, k]``) and the old ages at ``cur`` (int32, one per entry of
-    ``cur``, block-major), which the catch-up takes as
-    ``scape.kernels.catchup_agree_(..., age_at_mask=)``.
+    :func:`gain_topk` on the new ages, with the wait ``prev`` (now this ``buf``) if
+    ``residual`` (``scape.rules.gain_score_residual``; False: the EMA's mean alone,
+    ``scape.rules.gain_score``). Returns the next mask (int16 ``[n_blocks, k]``) and the old
+    ages at ``cur`` (int32, one per entry of ``cur``, block-major), which the catch-up takes
+    as ``scape.kernels.catchup_agree_(..., age_at_mask=)``.
 
     Arguments as those functions (``cur``: int16 ``[n_blocks, k_cur]`` offsets, ascending per
     row). One kernel on a GPU for blocks of up to 4096 entries (the default), the state read
@@ -202,9 +206,10 @@ def noise_gain_topk_(buf: torch.Tensor, prev: torch.Tensor, age: torch.Tensor,
         return noise_gain_topk_triton(buf, prev, age, s2, s2w, mu, cur, k, block_size,
                                       k_explore=k_explore, beta=float(beta), span=span,
                                       var_m_scale=var_m_scale,
-                                      error_feedback=bool(error_feedback))
+                                      error_feedback=bool(error_feedback),
+                                      residual=bool(residual))
     stats.noise_ema_(buf, prev, age, s2, s2w, beta=beta, error_feedback=error_feedback, mu=mu)
     age_at_mask = reference.advance_ages_(age, cur, block_size)
     idx = gain_topk(mu, s2, s2w, age, k, block_size, k_explore=k_explore, beta=beta,
-                    beta1=beta1, world=world, prev=prev, out=out)
+                    beta1=beta1, world=world, prev=prev if residual else None, out=out)
     return idx, age_at_mask

@@ -4,8 +4,9 @@ which statistic picks the next mask.
 A rule is a :class:`Rule`. ``update=`` of :class:`scape.SCAPE` names one in :data:`RULES`:
 
 ==========  ===========================================================================
-``auto``    the default: masks by each coordinate's gain (:func:`gain_score_residual`),
-            the agreement catch-up bounded at half its block's RMS (16 B/coordinate)
+``auto``    the default: masks by each coordinate's gain (:func:`gain_score`, with the wait
+            up to sparsity 0.974: :func:`reads_wait`), the agreement catch-up bounded at
+            half its block's RMS (16 B/coordinate)
 ``robust``  the same masks, the catch-up bounded at a quarter of the block's RMS: holds up
             better when the lr is above the one tuned for dense AdamS
 ``sqrt``    masks by accumulated mass ``|m| (age + 1)``, a sent coordinate moves
@@ -119,7 +120,7 @@ class Rule:
     two fused (:func:`gain_select_residual`). None: ``blockwise_topk`` of ``score``."""
     observe_select: Callable[..., torch.Tensor] | None = None
     """``observe``, the step's ages and ``select`` in one pass over the shard, before the
-    take (:func:`observe_select_residual`): ``observe_select(shard, buf, error_feedback, hp,
+    take (:func:`observe_select_gain`): ``observe_select(shard, buf, error_feedback, hp,
     cur, k, k_explore, block_size)`` -> the next mask, where ``cur`` is the rank's rows of
     this step's mask; it leaves the old ages at ``cur`` in ``shard.age_at_mask``, and
     ``update`` must take them from there and set it back to None (:func:`catchup_agree`
@@ -284,25 +285,22 @@ def gain_score_residual(shard: ShardState, hp: dict) -> torch.Tensor:
                              out=shard.buffer("score"))
 
 
-def gain_select(shard: ShardState, hp: dict, k: int, k_explore: int,
-                block_size: int) -> torch.Tensor:
-    """The mask of largest :func:`gain_score`: one kernel on a GPU
-    (:func:`scape.kernels.gain_topk`), the score never stored; on the CPU the score (into
-    the shard's buffer) and ``blockwise_topk``."""
+def gain_select(shard: ShardState, hp: dict, k: int, k_explore: int, block_size: int,
+                residual: bool = False) -> torch.Tensor:
+    """The mask of largest :func:`gain_score` (``residual``: :func:`gain_score_residual`): one
+    kernel on a GPU (:func:`scape.kernels.gain_topk`), the score never stored; on the CPU the
+    score (into the shard's buffer) and ``blockwise_topk``."""
     ex = shard.extra
     return kernel_gain_topk(ex["mu"], ex["s2"], ex["s2w"], shard.age, k, block_size,
                             k_explore=k_explore, beta=NOISE_BETA, beta1=hp["beta1"],
-                            world=hp.get("world", 1), out=shard.buffer("score"))
+                            world=hp.get("world", 1), prev=ex["prev"] if residual else None,
+                            out=shard.buffer("score"))
 
 
 def gain_select_residual(shard: ShardState, hp: dict, k: int, k_explore: int,
                          block_size: int) -> torch.Tensor:
-    """:func:`gain_select` of :func:`gain_score_residual` (the default's masks)."""
-    ex = shard.extra
-    return kernel_gain_topk(ex["mu"], ex["s2"], ex["s2w"], shard.age, k, block_size,
-                            k_explore=k_explore, beta=NOISE_BETA, beta1=hp["beta1"],
-                            world=hp.get("world", 1), prev=ex["prev"],
-                            out=shard.buffer("score"))
+    """:func:`gain_select` of :func:`gain_score_residual`."""
+    return gain_select(shard, hp, k, k_explore, block_size, residual=True)
 
 
 def catchup_snr(shard: ShardState, g: torch.Tensor, idx: torch.Tensor, block_size: int,
@@ -385,30 +383,45 @@ def catchup_agree(shard: ShardState, g: torch.Tensor, idx: torch.Tensor, block_s
     shard.age_at_mask = None
 
 
-def observe_select_residual(shard: ShardState, buf: torch.Tensor, error_feedback: bool,
-                            hp: dict, cur: torch.Tensor, k: int, k_explore: int,
-                            block_size: int) -> torch.Tensor:
+def reads_wait(k: int, block_size: int) -> bool:
+    """Whether the masks of ``auto`` and ``robust`` read the wait (:func:`gain_score_residual`;
+    else :func:`gain_score`): when a mask takes at least ``(1 - beta) / (1 + beta)`` (1/39) of
+    each block, so that the mean wait, about ``block_size / k`` steps, is within the 39 steps
+    the EMA covers (sparsity up to about 0.974). A longer wait outweighs the fresh mean: at
+    0.99 the fresh gain alone trains better, at 0.9 the summed wait (docs/research.md, 21)."""
+    return k * (1.0 + NOISE_BETA) >= (1.0 - NOISE_BETA) * block_size
+
+
+def gain_select_auto(shard: ShardState, hp: dict, k: int, k_explore: int,
+                     block_size: int) -> torch.Tensor:
+    """The masks of ``auto`` and ``robust``: :func:`gain_select`, with the wait if
+    :func:`reads_wait`."""
+    return gain_select(shard, hp, k, k_explore, block_size, residual=reads_wait(k, block_size))
+
+
+def observe_select_gain(shard: ShardState, buf: torch.Tensor, error_feedback: bool,
+                        hp: dict, cur: torch.Tensor, k: int, k_explore: int,
+                        block_size: int) -> torch.Tensor:
     """:func:`observe_local_moments`, the step's ages (advanced at its mask ``cur``, as the
-    catch-up would) and :func:`gain_select_residual` on them, in one pass over the shard
-    before the take (:func:`scape.kernels.noise_gain_topk_`: one kernel on a GPU). The
-    masks, the state and the catch-up are those of the three called in turn, bit for bit."""
+    catch-up would) and :func:`gain_select_auto` on them in one pass before the take
+    (:func:`scape.kernels.noise_gain_topk_`), bit for bit the three in turn."""
     ex = shard.extra
     idx, shard.age_at_mask = noise_gain_topk_(
         buf, ex["prev"], shard.age, ex["s2"], ex["s2w"], ex["mu"], cur, k, block_size,
         k_explore=k_explore, beta=NOISE_BETA, beta1=hp["beta1"], world=hp.get("world", 1),
-        error_feedback=error_feedback, out=shard.buffer("score"))
+        error_feedback=error_feedback, residual=reads_wait(k, block_size),
+        out=shard.buffer("score"))
     return idx
 
 
 def unadvance_ages(shard: ShardState, cur: torch.Tensor, block_size: int) -> None:
-    """A step skipped after :func:`observe_select_residual` advanced its ages: put them back."""
+    """A step skipped after :func:`observe_select_gain` advanced its ages: put them back."""
     if shard.age_at_mask is not None:
         restore_ages_(shard.age, cur, block_size, shard.age_at_mask)
         shard.age_at_mask = None
 
 
-GAIN_SCORES: tuple[ScoreFn, ...] = (gain_score, gain_score_residual)
-"""The scores that take a coordinate's fresh gain."""
+GAIN_SCORES: tuple[ScoreFn, ...] = (gain_score, gain_score_residual)  # a fresh gain
 
 
 def noise_sized(update: UpdateFn, score: ScoreFn | None = accumulated_score, **kw: Any) -> Rule:
@@ -432,10 +445,10 @@ def gain_selected(update: UpdateFn, score: ScoreFn = gain_score_residual, **kw: 
 
 
 RULES: dict[str, Rule] = {
-    "auto": gain_selected(functools.partial(catchup_agree, trust=0.5),
-                          observe_select=observe_select_residual),
-    "robust": gain_selected(functools.partial(catchup_agree, trust=0.25),
-                            observe_select=observe_select_residual),
+    "auto": gain_selected(functools.partial(catchup_agree, trust=0.5), gain_score,
+                          select=gain_select_auto, observe_select=observe_select_gain),
+    "robust": gain_selected(functools.partial(catchup_agree, trust=0.25), gain_score,
+                            select=gain_select_auto, observe_select=observe_select_gain),
     "sqrt": Rule(catchup_sqrt, accumulated_score),
     "lazy": Rule(lazy),
 }

@@ -400,9 +400,9 @@ def test_convergence_rows_use_the_lean_optimizer():
     assert names["catchup_agree_trust2_accum-autog1-trustlr"]["trust_lr"] == (0.5, 0.25)
     # every rule has a plain row; the research names of the built-ins only when asked for
     assert {"auto", "robust", "sqrt", "lazy", "catchup_agree_trust2_accum"} <= set(names)
-    assert "catchup_agree_trust2_gainr" not in names
-    (alias,) = variants([0.99], ["catchup_agree_trust2_gainr"])
-    assert alias["update"] == "catchup_agree_trust2_gainr"
+    assert "catchup_sqrt_accum" not in names and "catchup_agree_trust2_gainr" in names
+    (alias,) = variants([0.99], ["catchup_sqrt_accum"])
+    assert alias["update"] == "catchup_sqrt_accum"
 
 
 def test_convergence_trust_lr_row_with_the_gain_split():

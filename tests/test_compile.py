@@ -27,6 +27,7 @@ DTYPES = ("fp32", "bf16")
 def _specs(dt: str) -> list[tuple[str, object, dict, dict, int]]:
     """(label, kernel, signature, constexprs, num_warps) as the launchers configure them."""
     from scape.kernels import catchup, moments, select, sparse, stats, topk
+    from scape.rules import reads_wait
 
     specs = []
     for block in (4096, 8192, 32768):
@@ -122,9 +123,11 @@ def _specs(dt: str) -> list[tuple[str, object, dict, dict, int]]:
                        "p_waited": "*i32", "p_idx": "*i16", "k_cur": "i32", "k": "i32",
                        "k_explore": "i32", "beta": "fp32", "span": "fp32",
                        "var_m_scale": "fp32", "BLOCK_SIZE": "constexpr", "K_TILE": "constexpr",
-                       "ERROR_FEEDBACK": "constexpr", "HAS_EXPLORE": "constexpr"},
+                       "ERROR_FEEDBACK": "constexpr", "HAS_EXPLORE": "constexpr",
+                       "RESIDUAL": "constexpr"},
                       {"BLOCK_SIZE": block, "K_TILE": select.cur_tile(k_cur),
-                       "ERROR_FEEDBACK": True, "HAS_EXPLORE": True},
+                       "ERROR_FEEDBACK": True, "HAS_EXPLORE": True,
+                       "RESIDUAL": reads_wait(k_cur, block)},
                       select.gain_topk_warps(block)))
     return specs
 

@@ -316,10 +316,12 @@ def test_gain_topk_is_the_mask_of_the_score():
     assert same_cpu >= 0.95, f"GPU and CPU masks equal in {same_cpu:.3f} of the blocks"
 
 
-def test_noise_gain_topk_equals_the_ops_in_turn():
+@pytest.mark.parametrize("residual", [False, True])
+def test_noise_gain_topk_equals_the_ops_in_turn(residual):
     """The default's fused pass before the take against noise_ema_, the ages and gain_topk
     launched one after the other on the GPU (shared arithmetic helpers: the same fp32 values,
-    up to the compiler's contractions), then against the CPU."""
+    up to the compiler's contractions), then against the CPU; the score with the wait
+    (``residual``, the default's masks up to sparsity 0.974) and without."""
     block_size, n_blocks, k, k_explore = 4096, 512, 41, 4
     n = block_size * n_blocks
     gen = seeded("cuda-noise-gain-topk")
@@ -328,15 +330,18 @@ def test_noise_gain_topk_equals_the_ops_in_turn():
     cur = random_mask(n_blocks, block_size, k, gen)
     kw = dict(beta=0.95, beta1=0.9, world=8)
     host = [buf, prev, age, s2, s2w, mu, cur]
+    fused_kw = dict(kw, residual=residual)
     fused_in = [t.to(DEV) for t in host]
     turn_in = [t.to(DEV) for t in host]
-    idx, waited = kernels.noise_gain_topk_(*fused_in, k, block_size, k_explore=k_explore, **kw)
+    idx, waited = kernels.noise_gain_topk_(*fused_in, k, block_size, k_explore=k_explore,
+                                           **fused_kw)
     b, pv, ag, a2, aw, am, c = turn_in
     kernels.noise_ema_(b, pv, ag, a2, aw, beta=0.95, error_feedback=True, mu=am)
     flat = flat_positions(cur, block_size).to(DEV)
     want_waited = ag[flat].clone()
     ag.add_(1).index_fill_(0, flat, 0)  # the step's ages, as torch ops
-    want = kernels.gain_topk(am, a2, aw, ag, k, block_size, k_explore=k_explore, prev=pv, **kw)
+    want = kernels.gain_topk(am, a2, aw, ag, k, block_size, k_explore=k_explore,
+                             prev=pv if residual else None, **kw)
     assert torch.equal(_cpu(waited), _cpu(want_waited))
     assert torch.equal(_cpu(fused_in[2]), _cpu(ag)), "ages"
     for name, x, y in (("s2", fused_in[3], a2), ("s2w", fused_in[4], aw), ("mu", fused_in[5], am),
@@ -345,7 +350,7 @@ def test_noise_gain_topk_equals_the_ops_in_turn():
     same = (_cpu(idx) == _cpu(want)).all(dim=1).float().mean().item()
     assert same >= 0.999, f"fused mask equals the ops' in {same:.4f} of the blocks"
     cpu_idx, cpu_waited = kernels.noise_gain_topk_(*host, k, block_size, k_explore=k_explore,
-                                                   **kw)
+                                                   **fused_kw)
     assert torch.equal(_cpu(waited), cpu_waited)
     same_cpu = (_cpu(idx) == cpu_idx).all(dim=1).float().mean().item()
     assert same_cpu >= 0.95, f"GPU and CPU masks equal in {same_cpu:.3f} of the blocks"

@@ -21,11 +21,12 @@ rules.register(UNFUSED, dataclasses.replace(rules.RULES["auto"], observe_select=
                replace=True)
 
 
-def _run(update: str, steps: int, comm=None, rank: int = 0, nan_at: int = 7) -> dict:
+def _run(update: str, steps: int, comm=None, rank: int = 0, nan_at: int = 7,
+         sparsity: float = 0.97) -> dict:
     torch.manual_seed(0)
     p = torch.nn.Parameter(torch.randn(4096))
     q = torch.nn.Parameter(torch.randn(33, 31))  # a second bucket entry, padded
-    opt = scape.SCAPE([p, q], lr=3e-3, sparsity=0.97, block_size=256, warmup_steps=3,
+    opt = scape.SCAPE([p, q], lr=3e-3, sparsity=sparsity, block_size=256, warmup_steps=3,
                       update=update, max_grad_norm=1.0, comm=comm)
     g = torch.Generator().manual_seed(100 + rank)
     masks = []
@@ -44,17 +45,18 @@ def _run(update: str, steps: int, comm=None, rank: int = 0, nan_at: int = 7) -> 
             "masks": masks}
 
 
+@pytest.mark.parametrize("sparsity", [0.97, 0.99])  # the masks with and without the wait
 @pytest.mark.parametrize("mode", ["torch", "triton"])
-def test_fused_step_equals_three_passes(monkeypatch, mode):
+def test_fused_step_equals_three_passes(monkeypatch, mode, sparsity):
     monkeypatch.setenv("SCAPE_KERNELS", mode)
     calls = []
     fused_op = rules.noise_gain_topk_
     monkeypatch.setattr(rules, "noise_gain_topk_",
-                        lambda *a, **kw: calls.append(1) or fused_op(*a, **kw))
-    fused = _run("auto", 12)
-    assert len(calls) == 12 - 3, "the fused pass runs on every sparse step (the skipped one's " \
-        "ages are put back)"
-    three = _run(UNFUSED, 12)
+                        lambda *a, **kw: calls.append(kw["residual"]) or fused_op(*a, **kw))
+    fused = _run("auto", 12, sparsity=sparsity)
+    assert calls == [sparsity < 0.974] * (12 - 3), "the fused pass runs on every sparse " \
+        "step (the skipped one's ages are put back)"
+    three = _run(UNFUSED, 12, sparsity=sparsity)
     assert len(calls) == 12 - 3
     for name in fused:
         if name == "masks":
@@ -79,6 +81,28 @@ def test_fused_step_equals_three_passes_on_two_ranks():
         for name, a in r["auto"].items():
             assert (a == r[UNFUSED][name]).all(), name
     assert (res[0]["auto"]["p"] == res[1]["auto"]["p"]).all()
+
+
+@pytest.mark.parametrize("rule,trust", [("auto", 2), ("robust", 4)])
+@pytest.mark.parametrize("sparsity,twin,other", [(0.99, "gain", "gainr"),
+                                                 (0.97, "gainr", "gain")])
+def test_the_builtin_masks_read_the_wait_from_one_39th_of_a_block(rule, trust, sparsity, twin,
+                                                                  other):
+    """``auto`` and ``robust`` train bit for bit as the research rule with the fresh gain
+    above sparsity 0.974 (3 of 256 per block at 0.99) and as the one with the summed wait up
+    to it (8 of 256 at 0.97), and the two differ, so the switch is what the test sees."""
+    import bench.research.rules  # noqa: F401 (registers the twins)
+
+    k99, k97 = (rules.block_budget(s, 256, 0.1)[0] for s in (0.99, 0.97))
+    assert not rules.reads_wait(k99, 256) and rules.reads_wait(k97, 256)
+    got = _run(rule, 10, sparsity=sparsity)
+    want = _run(f"catchup_agree_trust{trust}_{twin}", 10, sparsity=sparsity)
+    for name in ("p", "q", "m", "age", "mu", "s2", "s2w", "prev"):
+        assert torch.equal(got[name], want[name]), name
+    assert all((a is None and b is None) or torch.equal(a, b)
+               for a, b in zip(got["masks"], want["masks"]))
+    assert not torch.equal(got["p"], _run(f"catchup_agree_trust{trust}_{other}", 10,
+                                          sparsity=sparsity)["p"])
 
 
 def test_update_that_ignores_the_advanced_ages_is_refused():

@@ -17,13 +17,14 @@ from scape.kernels import reference as ref
 KW = dict(beta=0.95, beta1=0.9, world=4)
 SPAN, SCALE = (1 + 0.95) / (1 - 0.95), (1 - 0.9) / (1 + 0.9) / 4
 
-CASES = [  # block_size, n_blocks, k_cur (this step's mask), k (next), k_explore, feedback
-    pytest.param(256, 3, 5, 5, 1, True, id="b256-nb3-k5-x1"),
-    pytest.param(256, 2, 40, 7, 0, True, id="b256-nb2-kcur40-k7"),
-    pytest.param(1024, 3, 11, 11, 2, False, id="b1024-nb3-k11-x2-noef"),
-    pytest.param(4096, 2, 41, 41, 4, True, id="b4096-nb2-k41-x4"),
-    pytest.param(4096, 1, 1100, 410, 41, True, id="b4096-nb1-kcur1100-k410-x41"),
-    pytest.param(8192, 1, 82, 82, 8, True, id="b8192-three-ops"),
+CASES = [  # block_size, n_blocks, k_cur (this step's mask), k (next), k_explore, feedback,
+    # residual (the score with the wait, as the default's masks up to sparsity 0.974)
+    pytest.param(256, 3, 5, 5, 1, True, True, id="b256-nb3-k5-x1"),
+    pytest.param(256, 2, 40, 7, 0, True, False, id="b256-nb2-kcur40-k7-fresh"),
+    pytest.param(1024, 3, 11, 11, 2, False, True, id="b1024-nb3-k11-x2-noef"),
+    pytest.param(4096, 2, 41, 41, 4, True, False, id="b4096-nb2-k41-x4-fresh"),
+    pytest.param(4096, 1, 1100, 410, 41, True, True, id="b4096-nb1-kcur1100-k410-x41"),
+    pytest.param(8192, 1, 82, 82, 8, True, False, id="b8192-three-ops-fresh"),
 ]
 
 
@@ -41,27 +42,27 @@ def _inputs(block_size, n_blocks, k_cur, key):
     return [buf, prev, age, s2, s2w, mu, cur]
 
 
-def _in_turn(state, k, block_size, k_explore, error_feedback):
+def _in_turn(state, k, block_size, k_explore, error_feedback, residual):
     buf, prev, age, s2, s2w, mu, cur = state
     kernels.noise_ema_(buf, prev, age, s2, s2w, beta=0.95, error_feedback=error_feedback,
                        mu=mu)
     waited = ref.advance_ages_(age, cur, block_size)
-    idx = kernels.gain_topk(mu, s2, s2w, age, k, block_size, k_explore=k_explore, prev=prev,
-                            **KW)
+    idx = kernels.gain_topk(mu, s2, s2w, age, k, block_size, k_explore=k_explore,
+                            prev=prev if residual else None, **KW)
     return idx, waited
 
 
-@pytest.mark.parametrize("block_size,n_blocks,k_cur,k,k_explore,ef", CASES)
+@pytest.mark.parametrize("block_size,n_blocks,k_cur,k,k_explore,ef,residual", CASES)
 def test_fused_equals_the_ops_in_turn(monkeypatch, block_size, n_blocks, k_cur, k, k_explore,
-                                      ef):
+                                      ef, residual):
     for mode in ("triton", "torch"):
         monkeypatch.setenv("SCAPE_KERNELS", mode)
         fused = _inputs(block_size, n_blocks, k_cur, k)
         turn = [t.clone() for t in fused]
         old_age = fused[2].clone()
         idx, waited = kernels.noise_gain_topk_(*fused, k, block_size, k_explore=k_explore,
-                                               error_feedback=ef, **KW)
-        want_idx, want_waited = _in_turn(turn, k, block_size, k_explore, ef)
+                                               error_feedback=ef, residual=residual, **KW)
+        want_idx, want_waited = _in_turn(turn, k, block_size, k_explore, ef, residual)
         assert idx.dtype == torch.int16 and idx.shape == (n_blocks, k)
         assert torch.equal(idx, want_idx), f"{mode}: another mask"
         assert torch.equal(waited, want_waited), f"{mode}: other old ages"
@@ -84,21 +85,23 @@ def test_fused_equals_the_ops_in_turn(monkeypatch, block_size, n_blocks, k_cur, 
             "s2w moves where the buffer is finite only"
 
 
-@pytest.mark.parametrize("block_size,n_blocks,k_cur,k,k_explore,ef", CASES[:4])
+@pytest.mark.parametrize("block_size,n_blocks,k_cur,k,k_explore,ef,residual", CASES[:4])
 def test_cpu_path_is_the_plain_twins(monkeypatch, block_size, n_blocks, k_cur, k, k_explore,
-                                     ef):
+                                     ef, residual):
     monkeypatch.setenv("SCAPE_KERNELS", "torch")
     state = _inputs(block_size, n_blocks, k_cur, ("twin", k))
     twin = [t.clone() for t in state]
     score_out = nan_empty(state[0].numel())
     idx, waited = kernels.noise_gain_topk_(*state, k, block_size, k_explore=k_explore,
-                                           error_feedback=ef, out=score_out, **KW)
+                                           error_feedback=ef, residual=residual, out=score_out,
+                                           **KW)
     want_idx, want_waited = ref.noise_gain_topk_(
         *twin, k, block_size, k_explore=k_explore, beta=0.95, span=SPAN, var_m_scale=SCALE,
-        error_feedback=ef)
+        error_feedback=ef, residual=residual)
     assert torch.equal(idx, want_idx) and torch.equal(waited, want_waited)
     buf, prev, age, s2, s2w, mu, _ = twin
-    score = ref.gain_score(mu, s2, s2w, age, span=SPAN, var_m_scale=SCALE, prev=prev)
+    score = ref.gain_score(mu, s2, s2w, age, span=SPAN, var_m_scale=SCALE,
+                           prev=prev if residual else None)
     torch.testing.assert_close(score_out, score, rtol=0, atol=0, equal_nan=True,
                                msg="the CPU path's score is written into out")
     assert torch.equal(idx, brute_topk(score, k, block_size, age if k_explore else None,

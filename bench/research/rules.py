@@ -3,8 +3,10 @@
 Each is a :class:`scape.rules.Rule` built from the library's public building blocks; the
 findings behind them are in docs/research.md. The library's four built-in rules are also
 registered here under the names the research used for them, so the research commands keep
-working: ``catchup_agree_trust2_gainr`` is ``auto``, ``catchup_agree_trust4_gainr`` is
-``robust``, ``catchup_sqrt_accum`` is ``sqrt``.
+working: ``catchup_sqrt_accum`` is ``sqrt``. ``auto`` and ``robust`` are
+``catchup_agree_trust2_gain`` and ``catchup_agree_trust4_gain`` at sparsities above 0.974 and
+``catchup_agree_trust2_gainr`` and ``catchup_agree_trust4_gainr`` up to it
+(:func:`scape.rules.reads_wait`), which were the two built-ins at every sparsity before.
 
 Names: ``catchup_<size>_<mask>``. The catch-up size: ``mean`` (all ``a + 1`` steps), ``sqrt``
 (``sqrt(a + 1)``), ``snr`` (by the arrived mean's signal-to-noise ratio), ``agree`` (by the
@@ -93,11 +95,12 @@ RESEARCH_RULES: dict[str, Rule] = {
                                                gain_score),
     "catchup_agree_trust4_gain": gain_selected(functools.partial(catchup_agree, trust=0.25),
                                                gain_score),
-    "catchup_agree_trust2_gainr": RULES["auto"],
+    "catchup_agree_trust2_gainr": gain_selected(functools.partial(catchup_agree, trust=0.5)),
     # the default with its pass before the take split into the three ops (observe, then the
     # catch-up's own ages, then select): the same steps bit for bit, the check of the fusion
     "auto_three_passes": dataclasses.replace(RULES["auto"], observe_select=None),
-    "catchup_agree_trust4_gainr": RULES["robust"],
+    "catchup_agree_trust4_gainr": gain_selected(functools.partial(catchup_agree,
+                                                                  trust=0.25)),
 }
 """Every research rule by name (registered on import)."""
 
