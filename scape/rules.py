@@ -384,11 +384,10 @@ def catchup_agree(shard: ShardState, g: torch.Tensor, idx: torch.Tensor, block_s
 
 
 def reads_wait(k: int, block_size: int) -> bool:
-    """Whether the masks of ``auto`` and ``robust`` read the wait (:func:`gain_score_residual`;
-    else :func:`gain_score`): when a mask takes at least ``(1 - beta) / (1 + beta)`` (1/39) of
-    each block, so that the mean wait, about ``block_size / k`` steps, is within the 39 steps
-    the EMA covers (sparsity up to about 0.974). A longer wait outweighs the fresh mean: at
-    0.99 the fresh gain alone trains better, at 0.9 the summed wait (docs/research.md, 21)."""
+    """Whether the masks of ``auto`` and ``robust`` read the wait (:func:`gain_score_residual`,
+    else :func:`gain_score`): when a mask takes at least ``(1 - beta) / (1 + beta)`` = 1/39 of
+    each block (sparsity up to 0.974), so the mean wait, ``block_size / k`` steps, is within the
+    EMA's 39; a longer wait outweighs the fresh mean (docs/research.md, hypothesis 21)."""
     return k * (1.0 + NOISE_BETA) >= (1.0 - NOISE_BETA) * block_size
 
 
@@ -421,7 +420,8 @@ def unadvance_ages(shard: ShardState, cur: torch.Tensor, block_size: int) -> Non
         shard.age_at_mask = None
 
 
-GAIN_SCORES: tuple[ScoreFn, ...] = (gain_score, gain_score_residual)  # a fresh gain
+GAIN_SCORES: tuple[ScoreFn, ...] = (gain_score, gain_score_residual)
+"""The scores that take a coordinate's fresh gain."""
 
 
 def noise_sized(update: UpdateFn, score: ScoreFn | None = accumulated_score, **kw: Any) -> Rule:
