@@ -50,9 +50,8 @@ from typing import Any
 from bench.compare import parse_name
 from bench.compare_report import environment
 from bench.lr_sweep_report import markdown, plot_ratios, select_best
-from bench.research.rules import registered
+from bench.optimizers import check_rule
 from bench.runner import RunConfig, run
-from scape.rules import RULES
 
 SCHEMA = "scape.lr_sweep/1"
 WORKLOADS: dict[str, dict[str, Any]] = {
@@ -90,9 +89,10 @@ def parse_row(optimizer: str) -> tuple[str, float, str | None]:
         return opt, sparsity, None
     if opt != "scape":
         raise ValueError(f"--optimizers: {optimizer!r}: '@<rule>' applies to scape rows only")
-    if registered(rule) not in RULES:
-        raise ValueError(f"--optimizers: {optimizer!r}: unknown rule {rule!r} (known: "
-                         f"{', '.join(sorted(RULES))})")
+    try:
+        check_rule(rule)
+    except ValueError as e:
+        raise ValueError(f"--optimizers: {optimizer!r}: {e}") from None
     return opt, sparsity, rule
 
 

@@ -177,6 +177,14 @@ def check_kwargs(name: str, kwargs: Mapping[str, Any]) -> None:
             raise ValueError(f"optimizer_kwargs[{key!r}] of {name!r}: {REMOVED_KWARGS[key]}")
 
 
+def check_rule(rule: Any) -> None:
+    """Refuse an ``update=`` name that no rule is registered under (a built-in, a research
+    rule, or a name :func:`bench.research.rules.with_options` makes), naming the known ones."""
+    if research_rules.registered(rule) not in scape.rules.RULES:
+        raise ValueError(f"unknown rule {rule!r} (known: "
+                         f"{', '.join(sorted(scape.rules.RULES))})")
+
+
 def build(name: str, groups: Any, spec: Spec, comm: Any = None) -> torch.optim.Optimizer:
     """The optimizer ``name`` over ``groups`` (module docstring)."""
     check_kwargs(name, spec.kwargs)
