@@ -1,12 +1,12 @@
 """The research rules, registered with :func:`scape.rules.register` on import.
 
 Each is a :class:`scape.rules.Rule` built from the library's public building blocks; the
-findings behind them are in docs/research.md. The library's four built-in rules are also
-registered here under the names the research used for them, so the research commands keep
-working: ``catchup_sqrt_accum`` is ``sqrt``. ``auto`` and ``robust`` are
-``catchup_agree_trust2_gain`` and ``catchup_agree_trust4_gain`` at sparsities above 0.974 and
-``catchup_agree_trust2_gainr`` and ``catchup_agree_trust4_gainr`` up to it
-(:func:`scape.rules.reads_wait`), which were the two built-ins at every sparsity before.
+findings behind them are in docs/research.md. The built-in ``sqrt`` is also registered here
+under its research name, ``catchup_sqrt_accum``, so the research commands keep working.
+``auto`` and ``robust`` train as ``catchup_agree_trust2_gain`` and
+``catchup_agree_trust4_gain`` at sparsities above 0.974 and as ``catchup_agree_trust2_gainr``
+and ``catchup_agree_trust4_gainr`` up to it (:func:`scape.rules.reads_wait`); the ``gainr``
+rules were the two built-ins at every sparsity before.
 
 Names: ``catchup_<size>_<mask>``. The catch-up size: ``mean`` (all ``a + 1`` steps), ``sqrt``
 (``sqrt(a + 1)``), ``snr`` (by the arrived mean's signal-to-noise ratio), ``agree`` (by the
