@@ -180,9 +180,10 @@ def check_kwargs(name: str, kwargs: Mapping[str, Any]) -> None:
 def check_rule(rule: Any) -> None:
     """Refuse an ``update=`` name that no rule is registered under (a built-in, a research
     rule, or a name :func:`bench.research.rules.with_options` makes), naming the known ones."""
-    if research_rules.registered(rule) not in scape.rules.RULES:
-        raise ValueError(f"unknown rule {rule!r} (known: "
-                         f"{', '.join(sorted(scape.rules.RULES))})")
+    try:
+        scape.rules.get(research_rules.registered(rule))
+    except ValueError as e:
+        raise ValueError(f"unknown rule {rule!r}: {e}") from None
 
 
 def build(name: str, groups: Any, spec: Spec, comm: Any = None) -> torch.optim.Optimizer:

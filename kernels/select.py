@@ -158,7 +158,7 @@ def noise_gain_topk_triton(buf: torch.Tensor, prev: torch.Tensor, age: torch.Ten
                            cur: torch.Tensor, k: int, block_size: int, *, k_explore: int,
                            beta: float, span: float, var_m_scale: float,
                            error_feedback: bool,
-                           residual: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                           residual: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch :func:`_noise_gain_topk_kernel`, one program per block (validated arguments)."""
     n_blocks, k_cur = cur.shape
     idx = torch.empty(n_blocks, k, dtype=torch.int16, device=buf.device)
