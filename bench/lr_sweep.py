@@ -24,7 +24,9 @@ Every run is :func:`bench.runner.run` on W=4 gloo ranks (global batch 16 x 128 b
 (0.9, 0.95), validation loss on 128 fixed held-out windows). Optimizers (``--optimizers``):
 ``adams`` (dense sharded AdamS, the reference), ``scape-<s>``, ``topk-<s>`` (raw-gradient
 top-k, :mod:`bench.topk_baseline`); ``scape-<s>@<rule>`` trains SCAPE with ``update=<rule>``, a
-built-in or research rule name (:mod:`bench.research.rules`). The JSON (schema
+built-in or research rule name (:mod:`bench.research.rules`); ``scape-<s>-embed<e>-head<h>``
+(either suffix alone too) puts the embedding matrices, the untied head, in param groups of
+their own at that sparsity, every group still decayed. The JSON (schema
 ``scape.lr_sweep/1``) is rewritten after every run; ``--resume`` keeps the runs of an earlier
 file with the same settings.
 
@@ -49,6 +51,7 @@ from typing import Any
 
 from bench.compare import parse_name
 from bench.compare_report import environment
+from bench.gpt import check_group_sparsity
 from bench.lr_sweep_report import markdown, plot_ratios, select_best
 from bench.optimizers import check_rule
 from bench.runner import RunConfig, run
@@ -71,6 +74,9 @@ SMOKE_COMMON: dict[str, Any] = {"world": 2, "batch": 2, "seq": 32, "weight_decay
 DEFAULTS = {"optimizers": ["adams", "scape-0.9", "scape-0.99", "topk-0.99"],
             "lrs": [3e-4, 1e-3, 3e-3], "steps": [600]}
 SMOKE = {"optimizers": ["adams", "scape-0.99"], "lrs": [1e-3, 3e-3], "steps": [6]}
+GROUP_SUFFIXES = ("embed", "head")
+"""Row suffixes ``-embed<s>``, ``-head<s>``: that :func:`bench.gpt.param_groups` group at its
+own sparsity, every group still decayed (:func:`bench.run_rank.make_groups`)."""
 GUESS_STEP_S = {"small": 0.15, "llama-small": 0.2}
 """Seconds per step on 2 cores before one run of the workload has finished (the ETA)."""
 
@@ -80,30 +86,42 @@ def eval_every(steps: int) -> int:
     return min(100, max(1, steps // 4))
 
 
-def parse_row(optimizer: str) -> tuple[str, float, str | None]:
-    """``"scape-0.99@robust"`` -> ``("scape", 0.99, "robust")``; without ``@``, the rule is
-    None (the optimizer's default). Raises ValueError naming the known rules."""
+def parse_row(optimizer: str) -> tuple[str, float, str | None, dict[str, float] | None]:
+    """``"scape-0.99-embed0.9-head0.9@robust"`` -> ``("scape", 0.99, "robust", {"embed": 0.9,
+    "head": 0.9})``. Without ``@`` the rule is None (the optimizer's default); without
+    ``-<group><s>`` suffixes (:data:`GROUP_SUFFIXES`) the group sparsity is None (one group).
+    Raises ValueError naming the known rules or groups."""
     base, at, rule = optimizer.partition("@")
-    opt, sparsity = parse_name(base)
-    if not at:
-        return opt, sparsity, None
-    if opt != "scape":
-        raise ValueError(f"--optimizers: {optimizer!r}: '@<rule>' applies to scape rows only")
-    try:
-        check_rule(rule)
-    except ValueError as e:
-        raise ValueError(f"--optimizers: {optimizer!r}: {e}") from None
-    return opt, sparsity, rule
+    parts = base.split("-")
+    groups: dict[str, float] = {}
+    while len(parts) > 2 and parts[-1].startswith(GROUP_SUFFIXES):
+        name = next(g for g in GROUP_SUFFIXES if parts[-1].startswith(g))
+        try:
+            groups[name] = float(parts.pop()[len(name):])
+            check_group_sparsity(groups)
+        except ValueError as e:
+            raise ValueError(f"--optimizers: {optimizer!r}: bad group sparsity: {e}") from None
+    opt, sparsity = parse_name("-".join(parts))
+    if (at or groups) and opt != "scape":
+        raise ValueError(f"--optimizers: {optimizer!r}: '@<rule>' and '-<group><s>' apply to "
+                         "scape rows only")
+    if at:
+        try:
+            check_rule(rule)
+        except ValueError as e:
+            raise ValueError(f"--optimizers: {optimizer!r}: {e}") from None
+    return opt, sparsity, rule if at else None, groups or None
 
 
 def make_config(workload: dict[str, Any], common: dict[str, Any], optimizer: str, steps: int,
                 lr: float, seed: int, name: str, timeout_s: float) -> RunConfig:
-    opt, sparsity, rule = parse_row(optimizer)
+    opt, sparsity, rule, groups = parse_row(optimizer)
     kwargs: dict[str, Any] = {} if common["warmup_steps"] is None or opt == "adams" else \
         {"warmup_steps": common["warmup_steps"]}
     if rule is not None:
         kwargs["update"] = rule
     return RunConfig(optimizer=opt, sparsity=sparsity, optimizer_kwargs=kwargs,
+                     group_sparsity=groups,
                      model=workload["model"], data=workload["data"], world=common["world"],
                      steps=steps, batch=common["batch"], seq=common["seq"], lr=lr,
                      weight_decay=common["weight_decay"], one_group=common["one_group"],

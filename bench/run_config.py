@@ -39,7 +39,8 @@ class RunConfig:
     group_sparsity: dict[str, float] | None = None
     """Per-group sparsity by :func:`bench.gpt.param_groups` group name (``"embed"`` splits the
     embedding matrices, the tied head, into a group of their own); None: ``sparsity``
-    everywhere. SCAPE rows only."""
+    everywhere. SCAPE rows only. With ``one_group`` every group is decayed alike
+    (:func:`bench.run_rank.make_groups`)."""
     model: str = "small"
     """:mod:`bench.gpt` preset (``tiny``, ``small``, ``base``) or :mod:`bench.llama` preset."""
     world: int = 4
@@ -108,8 +109,6 @@ class RunConfig:
                 raise ValueError(f"RunConfig.group_sparsity applies to the {' and '.join(takes)}"
                                  f" rows, not {self.optimizer!r}")
             check_group_sparsity(self.group_sparsity)  # param_groups' checks, before launch
-            if self.one_group:
-                raise ValueError("RunConfig.group_sparsity needs one_group=False")
         if entry.needs_sparsity and self.sparsity == 0.0:
             raise ValueError(f"RunConfig.sparsity must be > 0 for optimizer "
                              f"{self.optimizer!r} (use 'adams' for dense), got 0.0")

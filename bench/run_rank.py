@@ -29,14 +29,26 @@ from bench.run_config import RunConfig, lr_at
 from scape.comm import HierarchicalCommunicator, TorchCommunicator
 
 
+def make_groups(module: torch.nn.Module, cfg: RunConfig) -> list[dict[str, Any]]:
+    """The optimizer's param groups (without names): :func:`bench.gpt.param_groups`, or with
+    ``one_group`` every parameter in one group decayed by ``weight_decay``; ``one_group`` with
+    ``group_sparsity`` keeps :func:`~bench.gpt.param_groups`' split (the named groups at their
+    own sparsity) but decays every group, as one group would be."""
+    if cfg.one_group and not cfg.group_sparsity:
+        return [{"params": list(module.parameters()), "weight_decay": cfg.weight_decay}]
+    groups = param_groups(module, cfg.weight_decay, cfg.group_sparsity)
+    for g in groups:
+        g.pop("name")
+        if cfg.one_group:
+            g["weight_decay"] = float(cfg.weight_decay)
+    return groups
+
+
 def _build(cfg: RunConfig, rank: int, world: int, device: torch.device
            ) -> tuple[Any, Any, Any, torch.nn.Module]:
     """``(model_to_call, optimizer, counter, module)``: counter has ``stats`` and ``wait_s``."""
     module = make_model(cfg.model, seed=cfg.seed).to(device)
-    groups = [{"params": list(module.parameters()), "weight_decay": cfg.weight_decay}] \
-        if cfg.one_group else param_groups(module, cfg.weight_decay, cfg.group_sparsity)
-    for g in groups:
-        g.pop("name", None)
+    groups = make_groups(module, cfg)
     entry = OPTIMIZERS[cfg.optimizer]
     spec = Spec(lr=cfg.lr, betas=cfg.betas, sparsity=cfg.sparsity,
                 kwargs=dict(cfg.optimizer_kwargs))

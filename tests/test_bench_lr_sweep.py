@@ -83,8 +83,6 @@ def test_llama_small_size_and_the_model_registry():
     assert num_params(make_model("llama-small")) == 1_252_992
     assert isinstance(make_model("tiny"), GPT)
     assert RunConfig(model="llama-small").seq_len == 128
-    with pytest.raises(ValueError, match="one_group"):
-        RunConfig(group_sparsity={"embed": 0.9}, one_group=True)
     with pytest.raises(ValueError, match="even"):
         LlamaConfig(d_model=12, n_heads=4)
 
@@ -238,8 +236,9 @@ def test_a_rule_suffix_reaches_scape_rows_and_bad_ones_are_refused():
                       600, 3e-4, 0, "x", 60.0)
     assert (cfg.optimizer, cfg.sparsity) == ("scape", 0.9)
     assert cfg.optimizer_kwargs == {"warmup_steps": 2, "update": "catchup_agree_trust2_accum"}
-    assert parse_row("scape-0.99") == ("scape", 0.99, None)
-    assert parse_row("scape-0.99@robust-explore0.2") == ("scape", 0.99, "robust-explore0.2")
+    assert parse_row("scape-0.99") == ("scape", 0.99, None, None)
+    assert parse_row("scape-0.99@robust-explore0.2") == ("scape", 0.99, "robust-explore0.2",
+                                                          None)
     with pytest.raises(ValueError, match="unknown rule 'nope'.*auto"):
         parse_row("scape-0.99@nope")
     with pytest.raises(ValueError, match="scape rows only"):
@@ -248,3 +247,28 @@ def test_a_rule_suffix_reaches_scape_rows_and_bad_ones_are_refused():
                            "--optimizers", "adams", "scape-0.99@nope"], cwd=ROOT, timeout=60,
                           capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=ROOT))
     assert proc.returncode == 2 and "unknown rule 'nope'" in proc.stderr
+
+
+def test_group_suffixes_split_the_one_group_and_keep_its_decay():
+    from bench.run_rank import make_groups
+
+    assert parse_row("scape-0.99-embed0.9-head0.97@robust") == \
+        ("scape", 0.99, "robust", {"embed": 0.9, "head": 0.97})
+    cfg = make_config(WORKLOADS["llama"], COMMON, "scape-0.99-embed0.9-head0.97", 600, 3e-4, 0,
+                      "x", 60.0)
+    assert cfg.group_sparsity == {"embed": 0.9, "head": 0.97} and cfg.one_group
+    model = make_model("llama-tiny", seed=3)
+    groups = make_groups(model, cfg)
+    ids = [id(p) for g in groups for p in g["params"]]
+    assert sorted(ids) == sorted(id(p) for p in model.parameters())  # each once, none lost
+    assert all(g["weight_decay"] == COMMON["weight_decay"] for g in groups)
+    by_sparsity = {g.get("sparsity"): g["params"] for g in groups}
+    assert [p is model.tok_emb.weight for p in by_sparsity[0.9]] == [True]
+    assert [p is model.head.weight for p in by_sparsity[0.97]] == [True]
+    one = make_groups(model, make_config(WORKLOADS["llama"], COMMON, "scape-0.99", 600, 3e-4, 0,
+                                         "x", 60.0))
+    assert len(one) == 1 and "sparsity" not in one[0]
+    for bad, match in [("adams-embed0.9", "bad sparsity"), ("scape-0.99-embed1.5", "embed"),
+                       ("topk-0.99-head0.9", "scape rows only")]:
+        with pytest.raises(ValueError, match=match):
+            parse_row(bad)
