@@ -403,7 +403,8 @@ class SCAPE(ShardedOptimizer):
                     if self.rule.score is None:
                         score = s.m
                     elif self.rule.score_reads_hp:
-                        score = self.rule.score(s, self._hp(b))
+                        score = self.rule.score(s, {**self._hp(b), "k": mask_state.k,
+                                                    "block_size": self.block_size})
                     else:
                         score = self.rule.score(s)
                     idx = blockwise_topk(score, mask_state.k, self.block_size,

@@ -35,9 +35,9 @@ that change (otherwise the ranks' models drift apart).
 
 ``score(shard) -> Tensor`` (length S): the next mask takes, per block, the largest ``|score|``
 (default: the first moment ``m``, DESIGN §1 step 4), and a fraction ``explore`` of each
-block's budget by age. A rule with ``score_reads_hp`` gets the hyperparameters too:
-``score(shard, hp)``. A rule with ``select`` makes that mask itself, the score and the
-selection fused (the gain rules: one kernel on a GPU, :func:`scape.kernels.gain_topk`).
+block's budget by age. A rule with ``score_reads_hp`` gets the hyperparameters and the mask's
+budget too: ``score(shard, hp)``, ``hp["k"]`` of ``hp["block_size"]``. A rule with ``select``
+makes that mask itself, score and selection fused (:func:`scape.kernels.gain_topk`).
 
 Optional seams, each free of communication: ``observe(shard, buf, error_feedback)`` sees the
 owner's slice of its own gradient buffer at the start of every step (local statistics, kept
@@ -107,7 +107,8 @@ class Rule:
     """Called after a skipped step (non-finite gradient somewhere), whose residuals were
     cleared: what ``observe`` kept of the buffer no longer describes it."""
     score_reads_hp: bool = False
-    """True: ``score(shard, hp)`` with the hyperparameters ``update`` gets (world size, betas)."""
+    """True: ``score(shard, hp)`` with the hyperparameters ``update`` gets (world size, betas)
+    and the mask's budget, ``hp["k"]`` coordinates of each ``hp["block_size"]``."""
     explore: float = 0.1
     """Fraction of each block's budget taken by age (the longest-waiting coordinates) instead
     of by ``score``: every coordinate is sent now and then, whatever its score."""
@@ -117,7 +118,7 @@ class Rule:
     select: Callable[..., torch.Tensor] | None = None
     """Makes the next mask itself, ``select(shard, hp, k, k_explore, block_size)`` -> int16
     ``[n_blocks, k]`` offsets: the mask ``blockwise_topk`` would take from ``score``, with the
-    two fused (:func:`gain_select_residual`). None: ``blockwise_topk`` of ``score``."""
+    two fused (:func:`gain_select_auto`). None: ``blockwise_topk`` of ``score``."""
     observe_select: Callable[..., torch.Tensor] | None = None
     """``observe``, the step's ages and ``select`` in one pass over the shard, before the
     take (:func:`observe_select_gain`): ``observe_select(shard, buf, error_feedback, hp,
@@ -297,12 +298,6 @@ def gain_select(shard: ShardState, hp: dict, k: int, k_explore: int, block_size:
                             out=shard.buffer("score"))
 
 
-def gain_select_residual(shard: ShardState, hp: dict, k: int, k_explore: int,
-                         block_size: int) -> torch.Tensor:
-    """:func:`gain_select` of :func:`gain_score_residual`."""
-    return gain_select(shard, hp, k, k_explore, block_size, residual=True)
-
-
 def catchup_snr(shard: ShardState, g: torch.Tensor, idx: torch.Tensor, block_size: int,
                 hp: dict, model_out: torch.Tensor, floor: float = 0.0,
                 agree: bool = False, cap: float = 1.0, trust: float | None = None) -> None:
@@ -391,10 +386,15 @@ def reads_wait(k: int, block_size: int) -> bool:
     return k * (1.0 + NOISE_BETA) >= (1.0 - NOISE_BETA) * block_size
 
 
+def gain_score_auto(shard: ShardState, hp: dict) -> torch.Tensor:
+    """The score of ``auto`` and ``robust``: :func:`gain_score_residual` if :func:`reads_wait`
+    for the mask's budget (``hp["k"]`` of ``hp["block_size"]``), else :func:`gain_score`."""
+    wait = reads_wait(hp["k"], hp["block_size"])
+    return (gain_score_residual if wait else gain_score)(shard, hp)
+
+
 def gain_select_auto(shard: ShardState, hp: dict, k: int, k_explore: int,
-                     block_size: int) -> torch.Tensor:
-    """The masks of ``auto`` and ``robust``: :func:`gain_select`, with the wait if
-    :func:`reads_wait`."""
+                     block_size: int) -> torch.Tensor:  # the top-k of gain_score_auto, fused
     return gain_select(shard, hp, k, k_explore, block_size, residual=reads_wait(k, block_size))
 
 
@@ -420,7 +420,7 @@ def unadvance_ages(shard: ShardState, cur: torch.Tensor, block_size: int) -> Non
         shard.age_at_mask = None
 
 
-GAIN_SCORES: tuple[ScoreFn, ...] = (gain_score, gain_score_residual)
+GAIN_SCORES: tuple[ScoreFn, ...] = (gain_score, gain_score_residual, gain_score_auto)
 """The scores that take a coordinate's fresh gain."""
 
 
@@ -436,24 +436,24 @@ def gain_selected(update: UpdateFn, score: ScoreFn = gain_score_residual, **kw: 
     """A noise-sized rule whose masks take the coordinates of largest gain (``score``, one of
     :data:`GAIN_SCORES`): it keeps :data:`GAIN_STATE` (16 B per coordinate) through
     :func:`observe_local_moments`, and makes its masks with the score and the selection
-    fused (:func:`gain_select`, :func:`gain_select_residual`). ``kw``: other :class:`Rule`
-    fields."""
-    fused = {gain_score: gain_select, gain_score_residual: gain_select_residual}
+    fused (:func:`gain_select`, :func:`gain_select_auto`). ``kw``: other :class:`Rule` fields."""
+    fused = {gain_score: gain_select, gain_score_auto: gain_select_auto,
+             gain_score_residual: functools.partial(gain_select, residual=True)}
     kw.setdefault("select", fused.get(score))
     return Rule(update, score, observe=observe_local_moments, extra=GAIN_STATE,
                 reset=reset_local_noise, score_reads_hp=True, **kw)
 
 
 RULES: dict[str, Rule] = {
-    "auto": gain_selected(functools.partial(catchup_agree, trust=0.5), gain_score,
-                          select=gain_select_auto, observe_select=observe_select_gain),
-    "robust": gain_selected(functools.partial(catchup_agree, trust=0.25), gain_score,
-                            select=gain_select_auto, observe_select=observe_select_gain),
+    "auto": gain_selected(functools.partial(catchup_agree, trust=0.5), gain_score_auto,
+                          observe_select=observe_select_gain),
+    "robust": gain_selected(functools.partial(catchup_agree, trust=0.25), gain_score_auto,
+                            observe_select=observe_select_gain),
     "sqrt": Rule(catchup_sqrt, accumulated_score),
     "lazy": Rule(lazy),
 }
-"""The rules ``update=`` accepts, by name: the four built in (module docstring) and those
-added with :func:`register`."""
+"""The rules ``update=`` accepts by name: the four built in (module docstring), and more by
+:func:`register`."""
 
 BUILTIN = tuple(RULES)
 """The names of the built-in rules (they cannot be replaced)."""

@@ -19,6 +19,9 @@ from scape.comm import TorchCommunicator
 UNFUSED = "auto-in-three-passes"
 rules.register(UNFUSED, dataclasses.replace(rules.RULES["auto"], observe_select=None),
                replace=True)
+BY_SCORE = "auto-by-score"
+rules.register(BY_SCORE, dataclasses.replace(rules.RULES["auto"], observe_select=None,
+                                             select=None), replace=True)
 
 
 def _run(update: str, steps: int, comm=None, rank: int = 0, nan_at: int = 7,
@@ -103,6 +106,18 @@ def test_the_builtin_masks_read_the_wait_from_one_39th_of_a_block(rule, trust, s
                for a, b in zip(got["masks"], want["masks"]))
     assert not torch.equal(got["p"], _run(f"catchup_agree_trust{trust}_{other}", 10,
                                           sparsity=sparsity)["p"])
+
+
+@pytest.mark.parametrize("sparsity", [0.97, 0.99])
+def test_auto_without_select_masks_by_its_score_alike(sparsity):
+    """A copy of ``auto`` without ``select`` (its masks ``blockwise_topk`` of ``Rule.score``)
+    trains bit for bit as ``auto`` on both sides of the switch: the score reads the mask's
+    budget as the fused selection does."""
+    got, want = _run(BY_SCORE, 10, sparsity=sparsity), _run("auto", 10, sparsity=sparsity)
+    for name in ("p", "q", "m", "age", "mu", "s2", "s2w", "prev"):
+        assert torch.equal(got[name], want[name]), name
+    assert all((a is None and b is None) or torch.equal(a, b)
+               for a, b in zip(got["masks"], want["masks"]))
 
 
 def test_update_that_ignores_the_advanced_ages_is_refused():

@@ -89,19 +89,21 @@ def test_gain_topk_validates():
 @pytest.mark.parametrize("sparsity", [0.9, 0.99])
 def test_rule_select_is_its_score_mask(monkeypatch, backend, rule, sparsity):
     """The built-in gain rules make their masks through ``select``; it gives the mask that
-    ``blockwise_topk`` takes from their ``score`` above sparsity 0.974 and from the score
-    with the wait up to it (``reads_wait``)."""
+    ``blockwise_topk`` takes from their ``score``, which reads the mask's budget: the fresh
+    gain above sparsity 0.974, the gain with the wait up to it (``reads_wait``)."""
     monkeypatch.setenv("SCAPE_KERNELS", backend)
     r = rules.get(rule)
-    assert r.select is rules.gain_select_auto and r.score is rules.gain_score
+    assert r.select is rules.gain_select_auto and r.score is rules.gain_score_auto
     mu, s2, s2w, age, prev = _inputs(1024, 3, True, rule)
     shard = ShardState(master=torch.zeros_like(mu), m=torch.zeros_like(mu), age=age,
                        extra={"mu": mu, "s2": s2, "s2w": s2w, "prev": prev})
     hp = dict(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.0, world=4)
     k, k_explore = rules.block_budget(sparsity, 1024, r.explore)
     idx = r.select(shard, hp, k, k_explore, 1024)
-    score = rules.gain_score_residual if sparsity < 0.974 else r.score
-    assert torch.equal(idx, kernels.blockwise_topk(score(shard, hp).clone(), k, 1024, age=age,
+    score = r.score(shard, dict(hp, k=k, block_size=1024)).clone()
+    want = rules.gain_score_residual if sparsity < 0.974 else rules.gain_score
+    assert torch.equal(score, want(shard, hp))
+    assert torch.equal(idx, kernels.blockwise_topk(score, k, 1024, age=age,
                                                    k_explore=k_explore))
     other = rules.gain_score if sparsity < 0.974 else rules.gain_score_residual
     assert not torch.equal(idx, kernels.blockwise_topk(other(shard, hp).clone(), k, 1024,

@@ -81,7 +81,8 @@ def test_rule_invariants(name, k):
     if rule.score is None:
         score = s.m
     else:
-        score = rule.score(s, HP) if rule.score_reads_hp else rule.score(s)
+        score = rule.score(s, dict(HP, k=k, block_size=BLOCK)) if rule.score_reads_hp \
+            else rule.score(s)
     assert score.shape == s.m.shape and bool(score.isfinite().all())
 
 
