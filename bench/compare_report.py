@@ -32,6 +32,16 @@ def ratio(a: float | None, b: float | None) -> float | None:
     return None if a is None or b is None or b == 0 else a / b
 
 
+ENTRY_BYTES = 4 + 4 + 2
+"""Wire bytes per mask coordinate of a SCAPE sparse step: its gradient value (fp32, the
+reduce-scatter), its new parameter value (the all-gather) and its int16 offset (the mask)."""
+
+
+def mask_coords(n_pad: int, sparsity: float, block: int = 4096, explore: float = 0.1) -> int:
+    """``K = (N_pad / B) * k_b``: the coordinates one step's masks take over ``n_pad``."""
+    return (n_pad // block) * block_budget(sparsity, block, explore)[0]
+
+
 def formula_bytes(run: dict[str, Any], world: int) -> int | None:
     """Payload bytes per steady step per rank that DESIGN §1 predicts for ``run`` (fp32 on
     the wire, the ``comm.stats`` convention), from its layout: ``N`` parameters, ``N_pad``
@@ -54,8 +64,8 @@ def formula_bytes(run: dict[str, Any], world: int) -> int | None:
     settings = run.get("optimizer_settings", {})
     block = int(settings.get("block_size", 4096))
     explore = float(settings.get("explore", 0.0)) if opt == "scape" else 0.0
-    k = (n_pad // block) * block_budget(cfg["sparsity"], block, explore)[0]
-    return k * 10 + 8 if opt == "scape" else world * k * 6
+    k = mask_coords(n_pad, cfg["sparsity"], block, explore)
+    return k * ENTRY_BYTES + 8 if opt == "scape" else world * k * 6
 
 
 def quality_table(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:

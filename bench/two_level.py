@@ -40,11 +40,10 @@ import time
 from typing import Any
 
 from bench import netns_nodes
-from bench.compare_report import environment
+from bench.compare_report import ENTRY_BYTES, environment, mask_coords
 from bench.netns import available
 from bench.run_config import RunConfig
 from bench.runner import run
-from scape.rules import block_budget
 
 SCHEMA = "scape.two_level/1"
 NODES, PER_NODE = 2, 2
@@ -69,13 +68,13 @@ def row_config(row: str, *, model: str, steps: int, lr: float, netns: list[str] 
 def formula(row: str, n_pad: int, block: int = 4096, explore: float = 0.1
             ) -> dict[str, int] | None:
     """Payload bytes per steady step per rank by level (fp32 wire, docs/design.md §1)."""
-    k = (n_pad // block) * block_budget(0.99, block, explore)[0]
+    k = mask_coords(n_pad, 0.99, block, explore)
     if row == "two_level":
-        return {"inter": k // PER_NODE * (4 + 4 + 2) + 8, "intra": n_pad * 4 + k * (4 + 2) + 8}
+        return {"inter": k // PER_NODE * ENTRY_BYTES + 8, "intra": n_pad * 4 + k * (4 + 2) + 8}
     if row == "dense_hsdp":
         return {"inter": n_pad // PER_NODE * 8 + 8, "intra": n_pad * 8 + 8}
     if row == "flat":
-        return {"flat": k * (4 + 4 + 2) + 8}
+        return {"flat": k * ENTRY_BYTES + 8}
     return None
 
 
