@@ -12,7 +12,7 @@ Names: ``catchup_<size>_<mask>``. The catch-up size: ``mean`` (all ``a + 1`` ste
 (``sqrt(a + 1)``), ``snr`` (by the arrived mean's signal-to-noise ratio), ``agree`` (by the
 expected sign agreement of dense AdamS), ``agree_sqrt`` (never below ``sqrt``), ``agree_cap``
 (never above ``sqrt``), ``agree_trust{,2,4}`` (displacement bounded by 1, 1/2, 1/4 of the
-block RMS), ``agree_trustlr`` (the bound follows the lr from 1/2 at the peak to 1/4). The
+block RMS; ``agree`` alone: unbounded), ``agree_trustlr`` (the bound follows the lr from 1/2 at the peak to 1/4). The
 mask: none (``|m|``), ``accum`` (``|m| (age + 1)``), ``gain`` (the fresh gain from the EMA),
 ``gainr`` (the gain with the summed wait).
 """
@@ -96,6 +96,9 @@ RESEARCH_RULES: dict[str, Rule] = {
     "catchup_agree_trust4_gain": gain_selected(functools.partial(catchup_agree, trust=0.25),
                                                gain_score),
     "catchup_agree_trust2_gainr": gain_selected(functools.partial(catchup_agree, trust=0.5)),
+    "catchup_agree_trust_gain": gain_selected(functools.partial(catchup_agree, trust=1.0),
+                                              gain_score),
+    "catchup_agree_gain": gain_selected(catchup_agree, gain_score),
     # the default with its pass before the take split into the three ops (observe, then the
     # catch-up's own ages, then select): the same steps bit for bit, the check of the fusion
     "auto_three_passes": dataclasses.replace(RULES["auto"], observe_select=None),
