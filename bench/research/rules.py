@@ -12,9 +12,9 @@ Names: ``catchup_<size>_<mask>``. The catch-up size: ``mean`` (all ``a + 1`` ste
 (``sqrt(a + 1)``), ``snr`` (by the arrived mean's signal-to-noise ratio), ``agree`` (by the
 expected sign agreement of dense AdamS), ``agree_sqrt`` (never below ``sqrt``), ``agree_cap``
 (never above ``sqrt``), ``agree_trust{,2,4}`` (displacement bounded by 1, 1/2, 1/4 of the
-block RMS; ``agree`` alone: unbounded), ``agree_trustlr`` (the bound follows the lr from 1/2 at the peak to 1/4). The
-mask: none (``|m|``), ``accum`` (``|m| (age + 1)``), ``gain`` (the fresh gain from the EMA),
-``gainr`` (the gain with the summed wait).
+block RMS; ``agree`` alone: unbounded), ``agree_trustlr`` (the bound follows the lr from 1/2
+at the peak to 1/4). The mask: none (``|m|``), ``accum`` (``|m| (age + 1)``), ``gain`` (the
+fresh gain from the EMA), ``gainr`` (the gain with the summed wait).
 """
 
 from __future__ import annotations
