@@ -26,9 +26,10 @@ Every run is :func:`bench.runner.run` on W=4 gloo ranks (global batch 16 x 128 b
 top-k, :mod:`bench.topk_baseline`); ``scape-<s>@<rule>`` trains SCAPE with ``update=<rule>``, a
 built-in or research rule name (:mod:`bench.research.rules`); ``scape-<s>-embed<e>-head<h>``
 (either suffix alone too) puts the embedding matrices, the untied head, in param groups of
-their own at that sparsity, every group still decayed. The JSON (schema
-``scape.lr_sweep/1``) is rewritten after every run; ``--resume`` keeps the runs of an earlier
-file with the same settings.
+their own at that sparsity, every group still decayed; ``-ramp<s0>x<n>`` (after those) ramps
+the sparsity from ``s0`` over the first ``n`` sparse steps (:func:`scape.sparsity_ramp`). The
+JSON (schema ``scape.lr_sweep/1``) is rewritten after every run; ``--resume`` keeps the runs of
+an earlier file with the same settings.
 
     python -m bench.lr_sweep --steps 600 --out bench/results/lr_sweep_600.json
     python -m bench.lr_sweep --steps 200 400 --seeds 0 1 --optimizers adams scape-0.99
@@ -47,7 +48,7 @@ import math
 import os
 import sys
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 from bench.compare import parse_name
 from bench.compare_report import environment
@@ -55,6 +56,7 @@ from bench.gpt import check_group_sparsity
 from bench.lr_sweep_report import markdown, plot_ratios, select_best
 from bench.optimizers import check_rule
 from bench.runner import RunConfig, run
+from scape import sparsity_ramp
 
 SCHEMA = "scape.lr_sweep/1"
 WORKLOADS: dict[str, dict[str, Any]] = {
@@ -86,42 +88,63 @@ def eval_every(steps: int) -> int:
     return min(100, max(1, steps // 4))
 
 
-def parse_row(optimizer: str) -> tuple[str, float, str | None, dict[str, float] | None]:
-    """``"scape-0.99-embed0.9-head0.9@robust"`` -> ``("scape", 0.99, "robust", {"embed": 0.9,
-    "head": 0.9})``. Without ``@`` the rule is None (the optimizer's default); without
-    ``-<group><s>`` suffixes (:data:`GROUP_SUFFIXES`) the group sparsity is None (one group).
-    Raises ValueError naming the known rules or groups."""
+class Row(NamedTuple):
+    """One ``--optimizers`` entry, parsed (:func:`parse_row`)."""
+
+    optimizer: str
+    sparsity: float
+    rule: str | None
+    """``update=`` of a SCAPE row (None: the default)."""
+    groups: dict[str, float] | None
+    """Per-group sparsity (None: one group at ``sparsity``)."""
+    ramp: tuple[float, int] | None
+    """``(start, ramp_steps)`` of a sparsity ramp after the dense warm-up (None: none)."""
+
+
+def parse_row(optimizer: str) -> Row:
+    """``"scape-0.99-embed0.9-head0.9-ramp0.5x20@robust"`` -> ``Row("scape", 0.99, "robust",
+    {"embed": 0.9, "head": 0.9}, (0.5, 20))``. Without ``@`` the rule is None (the
+    optimizer's default); without ``-<group><s>`` suffixes (:data:`GROUP_SUFFIXES`) the group
+    sparsity is None (one group); without ``-ramp<start>x<steps>`` no ramp. Raises ValueError
+    naming the known rules or groups."""
     base, at, rule = optimizer.partition("@")
     parts = base.split("-")
     groups: dict[str, float] = {}
-    while len(parts) > 2 and parts[-1].startswith(GROUP_SUFFIXES):
-        name = next(g for g in GROUP_SUFFIXES if parts[-1].startswith(g))
+    ramp = None
+    while len(parts) > 2 and parts[-1].startswith((*GROUP_SUFFIXES, "ramp")):
+        part = parts.pop()
         try:
-            groups[name] = float(parts.pop()[len(name):])
+            if part.startswith("ramp"):
+                start, _, steps = part[len("ramp"):].partition("x")
+                ramp = (float(start), int(steps))
+                sparsity_ramp(0, start=ramp[0], end=0.99, ramp_steps=ramp[1])  # its checks
+                continue
+            name = next(g for g in GROUP_SUFFIXES if part.startswith(g))
+            groups[name] = float(part[len(name):])
             check_group_sparsity(groups)
         except ValueError as e:
-            raise ValueError(f"--optimizers: {optimizer!r}: bad group sparsity: {e}") from None
+            raise ValueError(f"--optimizers: {optimizer!r}: bad {part!r}: {e}") from None
     opt, sparsity = parse_name("-".join(parts))
-    if (at or groups) and opt != "scape":
-        raise ValueError(f"--optimizers: {optimizer!r}: '@<rule>' and '-<group><s>' apply to "
-                         "scape rows only")
+    if (at or groups or ramp) and opt != "scape":
+        raise ValueError(f"--optimizers: {optimizer!r}: '@<rule>', '-<group><s>' and '-ramp' "
+                         "apply to scape rows only")
     if at:
         try:
             check_rule(rule)
         except ValueError as e:
             raise ValueError(f"--optimizers: {optimizer!r}: {e}") from None
-    return opt, sparsity, rule if at else None, groups or None
+    return Row(opt, sparsity, rule if at else None, groups or None, ramp)
 
 
 def make_config(workload: dict[str, Any], common: dict[str, Any], optimizer: str, steps: int,
                 lr: float, seed: int, name: str, timeout_s: float) -> RunConfig:
-    opt, sparsity, rule, groups = parse_row(optimizer)
+    opt, sparsity, rule, groups, ramp = parse_row(optimizer)
     kwargs: dict[str, Any] = {} if common["warmup_steps"] is None or opt == "adams" else \
         {"warmup_steps": common["warmup_steps"]}
     if rule is not None:
         kwargs["update"] = rule
     return RunConfig(optimizer=opt, sparsity=sparsity, optimizer_kwargs=kwargs,
-                     group_sparsity=groups,
+                     group_sparsity=groups, sparsity_ramp=ramp,
                      model=workload["model"], data=workload["data"], world=common["world"],
                      steps=steps, batch=common["batch"], seq=common["seq"], lr=lr,
                      weight_decay=common["weight_decay"], one_group=common["one_group"],

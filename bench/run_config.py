@@ -15,6 +15,7 @@ from bench.gpt import check_group_sparsity
 from bench.llama import PRESETS as LLAMA_PRESETS
 from bench.optimizers import OPTIMIZERS as REGISTRY
 from bench.optimizers import check_kwargs
+from scape import sparsity_ramp
 
 PRESETS = {**GPT_PRESETS, **LLAMA_PRESETS}
 """Values of ``RunConfig.model``: :mod:`bench.gpt`'s and :mod:`bench.llama`'s presets."""
@@ -41,6 +42,11 @@ class RunConfig:
     embedding matrices, the tied head, into a group of their own); None: ``sparsity``
     everywhere. SCAPE rows only. With ``one_group`` every group is decayed alike
     (:func:`bench.run_rank.make_groups`)."""
+    sparsity_ramp: tuple[float, int] | None = None
+    """``(start, ramp_steps)``: after the dense warm-up every group's sparsity ramps from
+    ``start`` to its own over ``ramp_steps`` steps (:func:`scape.sparsity_ramp`, written into
+    the groups before each step as the lr is: the ``j``-th sparse step, from 0, sends the mask
+    made at ``sparsity_ramp(j)``); None: no ramp. SCAPE rows only."""
     model: str = "small"
     """:mod:`bench.gpt` preset (``tiny``, ``small``, ``base``) or :mod:`bench.llama` preset."""
     world: int = 4
@@ -109,6 +115,13 @@ class RunConfig:
                 raise ValueError(f"RunConfig.group_sparsity applies to the {' and '.join(takes)}"
                                  f" rows, not {self.optimizer!r}")
             check_group_sparsity(self.group_sparsity)  # param_groups' checks, before launch
+        if self.sparsity_ramp is not None:
+            if self.optimizer != "scape":
+                raise ValueError(f"RunConfig.sparsity_ramp applies to scape rows, not "
+                                 f"{self.optimizer!r}")
+            start, ramp_steps = self.sparsity_ramp
+            self.sparsity_ramp = (float(start), int(ramp_steps))
+            sparsity_ramp(0, start=start, end=self.sparsity, ramp_steps=ramp_steps)  # its checks
         if entry.needs_sparsity and self.sparsity == 0.0:
             raise ValueError(f"RunConfig.sparsity must be > 0 for optimizer "
                              f"{self.optimizer!r} (use 'adams' for dense), got 0.0")

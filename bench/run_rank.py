@@ -26,6 +26,7 @@ from bench.nullcomm import NullCommunicator
 from bench.optimizers import OPTIMIZERS, Spec, build
 from bench.prose import load
 from bench.run_config import RunConfig, lr_at
+from scape import sparsity_ramp
 from scape.comm import HierarchicalCommunicator, TorchCommunicator
 
 
@@ -135,6 +136,7 @@ def _train(cfg: RunConfig, rank: int, world: int) -> dict[str, Any]:
     device = torch.device("cuda", torch.cuda.current_device()) if cfg.device == "cuda" \
         else torch.device("cpu")
     model, opt, counter, module = _build(cfg, rank, world, device)
+    ends = [g.get("sparsity") for g in opt.param_groups]  # each group's sparsity after a ramp
     seq, global_batch = cfg.seq_len, cfg.batch * world
     prof, prof_steps = None, range(cfg.skip + 1, min(cfg.steps, cfg.skip + 4) + 1)
     records: list[dict[str, Any]] = []
@@ -155,8 +157,13 @@ def _train(cfg: RunConfig, rank: int, world: int) -> dict[str, Any]:
         batches = [tuple(t.to(device) for t in batch_at(
             corpus.train, step * cfg.grad_accum + micro, global_batch, seq, cfg.seed, rank,
             world)) for micro in range(cfg.grad_accum)]
-        for g in opt.param_groups:
+        for g, end in zip(opt.param_groups, ends):
             g["lr"] = lr_at(step, cfg)
+            if cfg.sparsity_ramp is not None:
+                start, ramp_steps = cfg.sparsity_ramp
+                # read as this step makes the next one's mask: sparse step j sends ramp(j)
+                g["sparsity"] = sparsity_ramp(step + 1 - cfg.warmup_steps, start=start,
+                                              end=end, ramp_steps=ramp_steps)
         bytes_before = {op: int(v["bytes"]) for op, v in counter.stats.items()}
         link_before = _link_tx() if cfg.node_netns is not None else 0
         wait_before = counter.wait_s

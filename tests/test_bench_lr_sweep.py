@@ -236,9 +236,9 @@ def test_a_rule_suffix_reaches_scape_rows_and_bad_ones_are_refused():
                       600, 3e-4, 0, "x", 60.0)
     assert (cfg.optimizer, cfg.sparsity) == ("scape", 0.9)
     assert cfg.optimizer_kwargs == {"warmup_steps": 2, "update": "catchup_agree_trust2_accum"}
-    assert parse_row("scape-0.99") == ("scape", 0.99, None, None)
+    assert parse_row("scape-0.99") == ("scape", 0.99, None, None, None)
     assert parse_row("scape-0.99@robust-explore0.2") == ("scape", 0.99, "robust-explore0.2",
-                                                          None)
+                                                          None, None)
     with pytest.raises(ValueError, match="unknown rule 'nope'.*auto"):
         parse_row("scape-0.99@nope")
     with pytest.raises(ValueError, match="scape rows only"):
@@ -253,7 +253,7 @@ def test_group_suffixes_split_the_one_group_and_keep_its_decay():
     from bench.run_rank import make_groups
 
     assert parse_row("scape-0.99-embed0.9-head0.97@robust") == \
-        ("scape", 0.99, "robust", {"embed": 0.9, "head": 0.97})
+        ("scape", 0.99, "robust", {"embed": 0.9, "head": 0.97}, None)
     cfg = make_config(WORKLOADS["llama"], COMMON, "scape-0.99-embed0.9-head0.97", 600, 3e-4, 0,
                       "x", 60.0)
     assert cfg.group_sparsity == {"embed": 0.9, "head": 0.97} and cfg.one_group
@@ -269,6 +269,29 @@ def test_group_suffixes_split_the_one_group_and_keep_its_decay():
                                          "x", 60.0))
     assert len(one) == 1 and "sparsity" not in one[0]
     for bad, match in [("adams-embed0.9", "bad sparsity"), ("scape-0.99-embed1.5", "embed"),
-                       ("topk-0.99-head0.9", "scape rows only")]:
+                       ("topk-0.99-head0.9", "scape rows only"),
+                       ("scape-0.99-ramp1.5x20", "ramp1.5x20"),
+                       ("scape-0.99-ramp0.5", "ramp0.5"), ("topk-0.99-ramp0.5x2", "scape rows")]:
         with pytest.raises(ValueError, match=match):
             parse_row(bad)
+
+
+def test_a_ramp_row_writes_the_sparsity_before_each_sparse_step(tmp_path):
+    """``-ramp<s0>x<n>`` reaches ``RunConfig.sparsity_ramp``; a run of it sends more bytes on
+    its first sparse steps than later, and the same as the plain row once the ramp is over."""
+    cfg = make_config(WORKLOADS["gpt"], dict(COMMON, warmup_steps=2),
+                      "scape-0.99-ramp0.5x3@robust", 600, 3e-4, 0, "x", 60.0)
+    assert cfg.sparsity_ramp == (0.5, 3) and cfg.optimizer_kwargs["update"] == "robust"
+    out = tmp_path / "s.json"
+    proc = subprocess.run([sys.executable, "-m", "bench.lr_sweep", "--smoke", "--out", str(out),
+                           "--workloads", "gpt", "--optimizers", "adams", "scape-0.9",
+                           "scape-0.9-ramp0.5x2", "--lrs", "1e-3"],
+                          cwd=ROOT, timeout=300, capture_output=True, text=True,
+                          env=dict(os.environ, PYTHONPATH=ROOT))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    runs = {r["optimizer"]: r for r in json.loads(out.read_text())["runs"]}
+    plain, ramp = runs["scape-0.9"], runs["scape-0.9-ramp0.5x2"]
+    assert ramp["dense_steps"] == plain["dense_steps"] == 2
+    assert ramp["bytes_per_step"] == plain["bytes_per_step"]  # after the ramp: the same
+    assert ramp["bytes_per_step_mean_all_steps"] > plain["bytes_per_step_mean_all_steps"]
+    assert ramp["final_val_loss"] != plain["final_val_loss"]
