@@ -43,10 +43,11 @@ class RunConfig:
     everywhere. SCAPE rows only. With ``one_group`` every group is decayed alike
     (:func:`bench.run_rank.make_groups`)."""
     sparsity_ramp: tuple[float, int] | None = None
-    """``(start, ramp_steps)``: after the dense warm-up every group's sparsity ramps from
-    ``start`` to its own over ``ramp_steps`` steps (:func:`scape.sparsity_ramp`, written into
-    the groups before each step as the lr is: the ``j``-th sparse step, from 0, sends the mask
-    made at ``sparsity_ramp(j)``); None: no ramp. SCAPE rows only."""
+    """``(start, ramp_steps)``: after the dense warm-up every sparse group's sparsity ramps
+    from ``start`` (or its own, if lower) to its own over ``ramp_steps`` steps
+    (:func:`scape.sparsity_ramp`, written into the groups before each step as the lr is: the
+    ``j``-th sparse step, from 0, sends the mask made at ``sparsity_ramp(j)``); None: no ramp.
+    SCAPE rows only."""
     model: str = "small"
     """:mod:`bench.gpt` preset (``tiny``, ``small``, ``base``) or :mod:`bench.llama` preset."""
     world: int = 4

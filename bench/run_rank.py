@@ -159,10 +159,10 @@ def _train(cfg: RunConfig, rank: int, world: int) -> dict[str, Any]:
             world)) for micro in range(cfg.grad_accum)]
         for g, end in zip(opt.param_groups, ends):
             g["lr"] = lr_at(step, cfg)
-            if cfg.sparsity_ramp is not None:
+            if cfg.sparsity_ramp is not None and end:  # a dense group stays dense
                 start, ramp_steps = cfg.sparsity_ramp
                 # read as this step makes the next one's mask: sparse step j sends ramp(j)
-                g["sparsity"] = sparsity_ramp(step + 1 - cfg.warmup_steps, start=start,
+                g["sparsity"] = sparsity_ramp(step + 1 - cfg.warmup_steps, start=min(start, end),
                                               end=end, ramp_steps=ramp_steps)
         bytes_before = {op: int(v["bytes"]) for op, v in counter.stats.items()}
         link_before = _link_tx() if cfg.node_netns is not None else 0
