@@ -1,0 +1,62 @@
+"""The research rule whose gain EMAs take another factor (``bench.research.rules.gain_rule_beta``):
+at the library's factor it trains bit for bit as ``catchup_agree_trust2_gain``, and at another
+factor its EMAs, masks and parameters differ, so the factor reaches both the observation and
+the selection."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import scape
+from scape import rules
+
+research = pytest.importorskip("bench.research.rules")
+
+SAME = "test-trust2-gain-beta-default"
+rules.register(SAME, research.gain_rule_beta(0.5, rules.NOISE_BETA), replace=True)
+
+
+def _run(update: str, steps: int = 14) -> dict:
+    torch.manual_seed(3)
+    p = torch.nn.Parameter(torch.randn(4096))
+    q = torch.nn.Parameter(torch.randn(33, 31))  # a second bucket entry, padded
+    opt = scape.SCAPE([p, q], lr=3e-3, sparsity=0.97, block_size=256, warmup_steps=3,
+                      update=update, max_grad_norm=1.0)
+    g = torch.Generator().manual_seed(11)
+    masks = []
+    for _ in range(steps):
+        p.grad = torch.randn(4096, generator=g) * 0.1 + 0.05 * torch.sign(p.detach())
+        q.grad = torch.randn(33, 31, generator=g)
+        opt.step()
+        m = opt.masks[0]
+        masks.append(None if m.next is None else m.wait().clone())
+    s = opt.shards[0]
+    return {"p": p.detach().clone(), "q": q.detach().clone(), "m": s.m.clone(),
+            "age": s.age.clone(), "masks": masks, **{k: v.clone() for k, v in s.extra.items()}}
+
+
+def test_the_default_factor_trains_as_the_fresh_gain_rule():
+    ref, same = _run("catchup_agree_trust2_gain"), _run(SAME)
+    for name, a in ref.items():
+        if name == "masks":
+            assert all((x is None and y is None) or torch.equal(x, y)
+                       for x, y in zip(a, same[name]))
+        else:
+            assert torch.equal(a, same[name]), name
+    assert int((ref["age"] == 0).sum()) > 0 and float(ref["mu"].abs().sum()) > 0
+
+
+def test_another_factor_changes_the_emas_and_the_masks():
+    ref, b90 = _run("catchup_agree_trust2_gain"), _run("catchup_agree_trust2_gain_b90")
+    assert torch.isfinite(b90["p"]).all() and torch.isfinite(b90["mu"]).all()
+    assert not torch.equal(ref["mu"], b90["mu"])
+    assert not torch.equal(ref["s2w"], b90["s2w"])
+    # s2w is the EMA's weight, 1 - beta^t after t observations: the factor shows in it
+    t = 14
+    assert torch.allclose(b90["s2w"], torch.full_like(b90["s2w"], 1 - 0.9 ** t), atol=1e-5)
+    assert torch.allclose(ref["s2w"], torch.full_like(ref["s2w"], 1 - rules.NOISE_BETA ** t),
+                          atol=1e-5)
+    assert any(x is not None and not torch.equal(x, y)
+               for x, y in zip(ref["masks"], b90["masks"]))
+    assert not torch.equal(ref["p"], b90["p"])
