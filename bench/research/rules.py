@@ -14,7 +14,8 @@ expected sign agreement of dense AdamS), ``agree_sqrt`` (never below ``sqrt``), 
 (never above ``sqrt``), ``agree_trust{,2,4}`` (displacement bounded by 1, 1/2, 1/4 of the
 block RMS; ``agree`` alone: unbounded), ``agree_trustlr`` (the bound follows the lr from 1/2
 at the peak to 1/4). The mask: none (``|m|``), ``accum`` (``|m| (age + 1)``), ``gain`` (the
-fresh gain from the EMA), ``gainr`` (the gain with the summed wait).
+fresh gain from the EMA), ``gainr`` (the gain with the summed wait); a suffix ``_b<f>`` sets
+the factor of the owner's local EMAs to ``0.<f>`` (``_b98``: 0.98) instead of 0.95.
 """
 
 from __future__ import annotations
