@@ -7,9 +7,10 @@ al., 2018) does. On the bundled workload it did not beat the same bytes spread e
 run (docs/research.md). Where it pays is in place of dense warm-up steps: with
 ``warmup_steps=1``, a 20-step ramp from 0.5 to 0.99 kept a 600-step run within 1/50 of dense
 AdamS's bytes (the 20 default dense steps: 1/22) and ended closer to dense AdamS than the
-default on two workloads, two seeds each (docs/research.md, "A sparsity ramp in place of the
-dense warm-up"). Write it before every step, as an LR scheduler writes ``lr``; sparse step
-``j`` (from 0) then sends a mask made at ``sparsity_ramp(j)``:
+default on two workloads, two seeds each, and so did a ramp from 0.5 to 0.9 at 0.9
+(docs/research.md, "A sparsity ramp in place of the dense warm-up", "The ramp at 0.9"). Write
+it before every step, as an LR scheduler writes ``lr``; sparse step ``j`` (from 0) then sends
+a mask made at ``sparsity_ramp(j)``:
 
     opt = scape.SCAPE(model.parameters(), lr=3e-4, sparsity=0.99, warmup_steps=1)
     for batch in loader:

@@ -131,6 +131,7 @@ RESEARCH_RULES: dict[str, Rule] = {
     "catchup_agree_trust2_gain_b90": gain_rule_beta(0.5, 0.9),
     "catchup_agree_trust2_gain_b98": gain_rule_beta(0.5, 0.98),
     "catchup_agree_trust2_gain_b99": gain_rule_beta(0.5, 0.99),
+    "catchup_agree_trust4_gain_b98": gain_rule_beta(0.25, 0.98),
     # the default with its pass before the take split into the three ops (observe, then the
     # catch-up's own ages, then select): the same steps bit for bit, the check of the fusion
     "auto_three_passes": dataclasses.replace(RULES["auto"], observe_select=None),
