@@ -14,8 +14,7 @@ A rule is a :class:`Rule`. ``update=`` of :class:`scape.SCAPE` names one in :dat
 ``lazy``    the baseline (DESIGN §1): a sent coordinate takes one AdamS step, the rest wait
 ==========  ===========================================================================
 
-Other rules plug in with :func:`register` (a name and a :class:`Rule`); the research rules
-are registered that way by ``bench/research/rules.py``.
+Other rules plug in with :func:`register` (``bench/research/rules.py`` registers its own).
 
 ``update(shard, g, idx, block_size, hp, model_out)``:
 
@@ -236,15 +235,16 @@ GAIN_STATE = NOISE_STATE + ("mu",)
 (:func:`gain_score`)."""
 
 
-def observe_local_moments(shard: ShardState, buf: torch.Tensor, error_feedback: bool) -> None:
-    """:func:`observe_local_noise`, and the EMA of the local gradient itself in
-    ``extra["mu"]`` (same ``beta`` and weight ``s2w``; the same fused pass on a GPU)."""
+def observe_local_moments(shard: ShardState, buf: torch.Tensor, error_feedback: bool,
+                          beta: float = NOISE_BETA) -> None:
+    """:func:`observe_local_noise` at factor ``beta``, and the EMA of the local gradient itself
+    in ``extra["mu"]`` (same weight ``s2w``; the same fused pass on a GPU)."""
     ex = shard.extra
-    noise_ema_(buf, ex["prev"], shard.age, ex["s2"], ex["s2w"], beta=NOISE_BETA,
+    noise_ema_(buf, ex["prev"], shard.age, ex["s2"], ex["s2w"], beta=beta,
                error_feedback=error_feedback, mu=ex["mu"])
 
 
-def gain_score(shard: ShardState, hp: dict) -> torch.Tensor:
+def gain_score(shard: ShardState, hp: dict, beta: float = NOISE_BETA) -> torch.Tensor:
     """What sending a coordinate now is worth: its fresh gradient signal times the steps the
     agreement rule would move it.
 
@@ -265,7 +265,7 @@ def gain_score(shard: ShardState, hp: dict) -> torch.Tensor:
     the shard's buffer ``work["score"]`` and returned: the next call overwrites it.
     """
     ex = shard.extra
-    return kernel_gain_score(ex["mu"], ex["s2"], ex["s2w"], shard.age, beta=NOISE_BETA,
+    return kernel_gain_score(ex["mu"], ex["s2"], ex["s2w"], shard.age, beta=beta,
                              beta1=hp["beta1"], world=hp.get("world", 1),
                              out=shard.buffer("score"))
 
@@ -287,13 +287,13 @@ def gain_score_residual(shard: ShardState, hp: dict) -> torch.Tensor:
 
 
 def gain_select(shard: ShardState, hp: dict, k: int, k_explore: int, block_size: int,
-                residual: bool = False) -> torch.Tensor:
-    """The mask of largest :func:`gain_score` (``residual``: :func:`gain_score_residual`): one
-    kernel on a GPU (:func:`scape.kernels.gain_topk`), the score never stored; on the CPU the
-    score (into the shard's buffer) and ``blockwise_topk``."""
+                residual: bool = False, beta: float = NOISE_BETA) -> torch.Tensor:
+    """The mask of largest :func:`gain_score` (``residual``: :func:`gain_score_residual`) of
+    EMAs kept at factor ``beta``: one kernel on a GPU (:func:`scape.kernels.gain_topk`), the
+    score never stored; on the CPU the score (into the shard's buffer) and ``blockwise_topk``."""
     ex = shard.extra
     return kernel_gain_topk(ex["mu"], ex["s2"], ex["s2w"], shard.age, k, block_size,
-                            k_explore=k_explore, beta=NOISE_BETA, beta1=hp["beta1"],
+                            k_explore=k_explore, beta=beta, beta1=hp["beta1"],
                             world=hp.get("world", 1), prev=ex["prev"] if residual else None,
                             out=shard.buffer("score"))
 

@@ -29,7 +29,6 @@ from typing import Any
 import torch
 
 from scape import rules
-from scape.kernels import gain_topk, noise_ema_
 from scape.rules import (
     RULES,
     Rule,
@@ -40,9 +39,11 @@ from scape.rules import (
     catchup_snr,
     catchup_sqrt,
     gain_score,
+    gain_select,
     gain_selected,
     lazy,
     noise_sized,
+    observe_local_moments,
 )
 
 TRUST_LR = (0.5, 0.25)
@@ -77,31 +78,15 @@ class TrustFollowsLr:
                     trust=lo + (hi - lo) * frac)
 
 
-def observe_moments_beta(shard: ShardState, buf: torch.Tensor, error_feedback: bool, *,
-                         beta: float) -> None:
-    """:func:`scape.rules.observe_local_moments` with the EMA factor ``beta`` instead of
-    :data:`scape.rules.NOISE_BETA`."""
-    ex = shard.extra
-    noise_ema_(buf, ex["prev"], shard.age, ex["s2"], ex["s2w"], beta=beta,
-               error_feedback=error_feedback, mu=ex["mu"])
-
-
-def gain_select_beta(shard: ShardState, hp: dict, k: int, k_explore: int, block_size: int, *,
-                     beta: float) -> torch.Tensor:
-    """:func:`scape.rules.gain_select` (the fresh gain) read with the EMA factor ``beta``."""
-    ex = shard.extra
-    return gain_topk(ex["mu"], ex["s2"], ex["s2w"], shard.age, k, block_size,
-                     k_explore=k_explore, beta=beta, beta1=hp["beta1"],
-                     world=hp.get("world", 1), out=shard.buffer("score"))
-
-
 def gain_rule_beta(trust: float, beta: float) -> Rule:
     """``catchup_agree_trust<c>_gain`` whose gain and noise EMAs use the factor ``beta``
     (the default 0.95 spans about 39 steps, 0.9 about 19, 0.98 about 99): a shorter span
     reads a fresher, noisier mean; a longer one a staler, steadier mean."""
-    base = gain_selected(functools.partial(catchup_agree, trust=trust), gain_score)
-    return dataclasses.replace(base, observe=functools.partial(observe_moments_beta, beta=beta),
-                               select=functools.partial(gain_select_beta, beta=beta))
+    base = gain_selected(functools.partial(catchup_agree, trust=trust),
+                         functools.partial(gain_score, beta=beta),
+                         select=functools.partial(gain_select, beta=beta))
+    return dataclasses.replace(base,
+                               observe=functools.partial(observe_local_moments, beta=beta))
 
 
 RESEARCH_RULES: dict[str, Rule] = {
