@@ -60,3 +60,35 @@ def test_another_factor_changes_the_emas_and_the_masks():
     assert any(x is not None and not torch.equal(x, y)
                for x, y in zip(ref["masks"], b90["masks"]))
     assert not torch.equal(ref["p"], b90["p"])
+
+
+def _run_lrs(update: str, lrs: list[float]) -> dict:
+    """:func:`_run`'s set-up, the lr set before each step from ``lrs``."""
+    torch.manual_seed(3)
+    p = torch.nn.Parameter(torch.randn(4096))
+    opt = scape.SCAPE([p], lr=lrs[0], sparsity=0.97, block_size=256, warmup_steps=3,
+                      update=update, max_grad_norm=1.0)
+    g = torch.Generator().manual_seed(11)
+    for lr in lrs:
+        opt.param_groups[0]["lr"] = lr
+        p.grad = torch.randn(4096, generator=g) * 0.1 + 0.05 * torch.sign(p.detach())
+        opt.step()
+    s = opt.shards[0]
+    return {"p": p.detach().clone(), "m": s.m.clone(), "age": s.age.clone(),
+            **{k: v.clone() for k, v in s.extra.items()}}
+
+
+def test_the_factor_after_the_lr_warmup_follows_the_lr():
+    # a fresh instance per optimizer: the rule keeps its per-shard lr state
+    rules.register("test-b98w", research.BetaAfterLrWarmup(0.5, 0.98).rule(), replace=True)
+    rising = [1e-3 * (i + 1) for i in range(12)]
+    ref, warm = _run_lrs("catchup_agree_trust2_gain", rising), _run_lrs("test-b98w", rising)
+    for name, a in ref.items():  # while the lr rises: the default's factor, bit for bit
+        assert torch.equal(a, warm[name]), name
+    rules.register("test-b98w", research.BetaAfterLrWarmup(0.5, 0.98).rule(), replace=True)
+    flat = _run_lrs("test-b98w", [3e-3] * 12)
+    # dense steps 1-3 and sparse steps 4-5 observe at 0.95 (the first update saw the lr rise
+    # from nothing, and the EMAs read it a step late); steps 6-12 at 0.98
+    want = 1 - rules.NOISE_BETA ** 5 * 0.98 ** 7
+    assert torch.allclose(flat["s2w"], torch.full_like(flat["s2w"], want), atol=1e-6)
+    assert torch.isfinite(flat["p"]).all() and not torch.equal(flat["p"], ref["p"])

@@ -15,7 +15,8 @@ expected sign agreement of dense AdamS), ``agree_sqrt`` (never below ``sqrt``), 
 block RMS; ``agree`` alone: unbounded), ``agree_trustlr`` (the bound follows the lr from 1/2
 at the peak to 1/4). The mask: none (``|m|``), ``accum`` (``|m| (age + 1)``), ``gain`` (the
 fresh gain from the EMA), ``gainr`` (the gain with the summed wait); a suffix ``_b<f>`` sets
-the factor of the owner's local EMAs to ``0.<f>`` (``_b98``: 0.98) instead of 0.95.
+the factor of the owner's local EMAs to ``0.<f>`` (``_b98``: 0.98) instead of 0.95, and
+``_b<f>w`` to it once the lr stops rising (0.95 through the lr's warm-up).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import dataclasses
 import functools
 import math
 import re
+import weakref
 from typing import Any
 
 import torch
@@ -89,6 +91,44 @@ def gain_rule_beta(trust: float, beta: float) -> Rule:
                                observe=functools.partial(observe_local_moments, beta=beta))
 
 
+class BetaAfterLrWarmup:
+    """The fresh-gain rule whose owner's EMAs take ``rising`` (the default's 0.95) while the lr
+    still rises (its warm-up: each step moves the weights more than the last, so an older
+    reading is staler) and ``beta`` once it stops. Whether the last update's lr rose above
+    every earlier one is kept here per shard, as :class:`TrustFollowsLr` keeps its peak (not
+    in checkpoints); the EMAs read it one step late (``observe`` runs before the update)."""
+
+    def __init__(self, trust: float, beta: float, rising: float = rules.NOISE_BETA) -> None:
+        self.trust, self.beta, self.rising = trust, beta, rising
+        self.state: dict[int, tuple[float, bool]] = {}  # id(master) -> (peak lr, rose)
+
+    def factor(self, shard: ShardState) -> float:
+        return self.rising if self.state.get(id(shard.master), (0.0, True))[1] else self.beta
+
+    def update(self, shard: ShardState, g: torch.Tensor, idx: torch.Tensor, block_size: int,
+               hp: dict, model_out: torch.Tensor) -> None:
+        key = id(shard.master)
+        if key not in self.state:  # forget the shard with its tensor: ids are reused
+            weakref.finalize(shard.master, self.state.pop, key, None)
+        peak = self.state.get(key, (0.0, True))[0]
+        self.state[key] = (max(peak, hp["lr"]), hp["lr"] > peak)
+        catchup_agree(shard, g, idx, block_size, hp, model_out, trust=self.trust)
+
+    def observe(self, shard: ShardState, buf: torch.Tensor, error_feedback: bool) -> None:
+        observe_local_moments(shard, buf, error_feedback, beta=self.factor(shard))
+
+    def score(self, shard: ShardState, hp: dict) -> torch.Tensor:
+        return gain_score(shard, hp, beta=self.factor(shard))
+
+    def select(self, shard: ShardState, hp: dict, k: int, k_explore: int,
+               block_size: int) -> torch.Tensor:
+        return gain_select(shard, hp, k, k_explore, block_size, beta=self.factor(shard))
+
+    def rule(self) -> Rule:
+        return dataclasses.replace(gain_selected(self.update, gain_score, select=self.select),
+                                   score=self.score, observe=self.observe)
+
+
 RESEARCH_RULES: dict[str, Rule] = {
     "lazy_accum": Rule(lazy, accumulated_score),
     "catchup_mean": Rule(catchup_mean),
@@ -117,6 +157,7 @@ RESEARCH_RULES: dict[str, Rule] = {
     "catchup_agree_trust2_gain_b98": gain_rule_beta(0.5, 0.98),
     "catchup_agree_trust2_gain_b99": gain_rule_beta(0.5, 0.99),
     "catchup_agree_trust4_gain_b98": gain_rule_beta(0.25, 0.98),
+    "catchup_agree_trust2_gain_b98w": BetaAfterLrWarmup(0.5, 0.98).rule(),
     # the default with its pass before the take split into the three ops (observe, then the
     # catch-up's own ages, then select): the same steps bit for bit, the check of the fusion
     "auto_three_passes": dataclasses.replace(RULES["auto"], observe_select=None),
