@@ -93,8 +93,8 @@ def gain_rule_beta(trust: float, beta: float) -> Rule:
 
 class BetaAfterLrWarmup:
     """The fresh-gain rule whose owner's EMAs take ``rising`` (the default's 0.95) while the lr
-    still rises (its warm-up: each step moves the weights more than the last, so an older
-    reading is staler) and ``beta`` once it stops. Whether the last update's lr rose above
+    still rises (its warm-up, where the EMAs at 0.98 fell behind at the end of a 100-step one:
+    docs/research.md) and ``beta`` once it stops. Whether the last update's lr rose above
     every earlier one is kept here per shard, as :class:`TrustFollowsLr` keeps its peak (not
     in checkpoints); the EMAs read it one step late (``observe`` runs before the update)."""
 
