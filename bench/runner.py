@@ -44,15 +44,19 @@ SCAPE dense warm-up plus two), the same window for every optimizer of a comparis
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import multiprocessing as mp
 import os
 import queue
+import signal
 import statistics
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from bench.run_config import OPTIMIZERS, RunConfig, load_config, lr_at
@@ -70,18 +74,38 @@ def _median(xs: list[float]) -> float | None:
 
 
 # --------------------------------------------------------------------------- the driver
+def _exit_on_sigterm(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
+
+
+@contextlib.contextmanager
+def _sigterm_unwinds() -> Iterator[None]:
+    """Within: SIGTERM raises ``SystemExit`` (as Ctrl-C raises ``KeyboardInterrupt``), so
+    :func:`run`'s cleanup kills its ranks; by default SIGTERM ends this process at once and the
+    spawned ranks, orphaned, train on. A no-op off the main thread (only it takes signals)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
 def run(cfg: RunConfig) -> dict[str, Any]:
     """Train ``cfg`` on ``cfg.world`` spawned ranks and return the summary dict.
 
     Raises ``RuntimeError`` with every failing rank's traceback, or ``TimeoutError`` after
-    killing every rank when ``cfg.timeout_s`` passes.
+    killing every rank when ``cfg.timeout_s`` passes. Interrupted (Ctrl-C, or SIGTERM on the
+    main thread), it kills every rank before it returns the exception.
     """
     if not isinstance(cfg, RunConfig):
         raise TypeError(f"run() takes a RunConfig, got {type(cfg).__name__}")
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     started = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="scape-run-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="scape-run-") as tmp, _sigterm_unwinds():
         init_file = os.path.join(tmp, "store")
         procs = [ctx.Process(target=rank_main, args=(r, cfg.world, dataclasses.asdict(cfg),
                                                       init_file, q), daemon=True)

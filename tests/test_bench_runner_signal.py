@@ -1,0 +1,78 @@
+"""``bench.runner.run`` ends its ranks when its process is told to stop: a SIGTERM to a
+``python -m bench.runner`` (as a job scheduler or ``kill`` sends) used to end the driver at
+once and leave its spawned ranks training on under init."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = {"optimizer": "adams", "model": "tiny", "world": 2, "steps": 100000, "batch": 2,
+          "seq": 32, "eval_every": 100000, "eval_seqs": 4, "threads": 1, "log_every": 0,
+          "timeout_s": 600}
+
+pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux /proc")
+
+
+def _ranks(pid: int) -> list[int]:
+    """The spawned ranks among ``pid``'s children (not multiprocessing's resource tracker)."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                stat, cmd = (d / "stat").read_text(), (d / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid and b"spawn_main" in cmd \
+                    and b"resource_tracker" not in cmd:
+                out.append(int(d.name))
+    return out
+
+
+def _running(pid: int) -> bool:
+    try:
+        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_sigterm_ends_every_rank(tmp_path):
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    log = tmp_path / "stderr"  # a file, not a pipe: orphaned ranks would hold a pipe open
+    with open(log, "wb") as err:
+        driver = subprocess.Popen([sys.executable, "-m", "bench.runner", "--config",
+                                   json.dumps(CONFIG)], cwd=ROOT, env=env,
+                                  stdout=subprocess.DEVNULL, stderr=err)
+    ranks: list[int] = []
+    try:
+        deadline = time.monotonic() + 120
+        while len(ranks) < CONFIG["world"]:  # the ranks are spawned inside run()
+            assert driver.poll() is None, log.read_text()[-2000:]
+            assert time.monotonic() < deadline, "the ranks never started"
+            time.sleep(0.2)
+            ranks = _ranks(driver.pid)
+        ranks = [r for r in ranks if _running(r)]
+        driver.send_signal(signal.SIGTERM)
+        code = driver.wait(timeout=60)
+        deadline = time.monotonic() + 30
+        while any(map(_running, ranks)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(map(_running, ranks)), f"ranks {ranks} still run after the driver ended"
+        assert code == 128 + signal.SIGTERM, (code, log.read_text()[-2000:])
+    finally:
+        for r in ranks:
+            try:
+                os.kill(r, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if driver.poll() is None:
+            driver.kill()
+            driver.wait()
