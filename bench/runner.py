@@ -98,7 +98,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
 
     Raises ``RuntimeError`` with every failing rank's traceback, or ``TimeoutError`` after
     killing every rank when ``cfg.timeout_s`` passes. Interrupted (Ctrl-C, or SIGTERM on the
-    main thread), it kills every rank before it returns the exception.
+    main thread), it kills every rank before the exception leaves it.
     """
     if not isinstance(cfg, RunConfig):
         raise TypeError(f"run() takes a RunConfig, got {type(cfg).__name__}")
