@@ -10,6 +10,8 @@ outer deadline so that a hang is a test failure, never a stuck CI.
 ``run_ranks`` raises ``AssertionError`` with every failing rank's traceback, or
 ``TimeoutError`` (after killing every process) when the deadline passes. Tests that expect a
 rank to die or raise use ``run_ranks_outcomes``, which returns what happened on each rank.
+Tests that launch a launcher (torchrun, ``python -m bench.runner``) find its workers with
+``descendants``.
 """
 
 from __future__ import annotations
@@ -24,6 +26,24 @@ import time
 import traceback
 from collections.abc import Callable
 from typing import Any
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid``, from Linux's ``/proc`` (a launcher's workers may sit in
+    sessions of their own, where a signal to its process group does not reach them)."""
+    children: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                children.setdefault(int(f.read().rsplit(")", 1)[1].split()[1]), []).append(int(d))
+        except (OSError, ValueError, IndexError):
+            continue
+    found, todo = [], [pid]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        found += kids
+        todo += kids
+    return found
 
 
 @dataclasses.dataclass

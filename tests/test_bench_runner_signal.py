@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from dist import descendants
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = {"optimizer": "adams", "model": "tiny", "world": 2, "steps": 100000, "batch": 2,
@@ -23,17 +24,15 @@ pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="ne
 
 
 def _ranks(pid: int) -> list[int]:
-    """The spawned ranks among ``pid``'s children (not multiprocessing's resource tracker)."""
+    """The spawned ranks below ``pid`` (not multiprocessing's resource tracker)."""
     out = []
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                stat, cmd = (d / "stat").read_text(), (d / "cmdline").read_bytes()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid and b"spawn_main" in cmd \
-                    and b"resource_tracker" not in cmd:
-                out.append(int(d.name))
+    for child in descendants(pid):
+        try:
+            cmd = Path(f"/proc/{child}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"spawn_main" in cmd and b"resource_tracker" not in cmd:
+            out.append(child)
     return out
 
 

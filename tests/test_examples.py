@@ -21,6 +21,7 @@ import warnings
 from pathlib import Path
 
 import pytest
+from dist import descendants
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 DEADLINE_S = 240
@@ -39,24 +40,6 @@ def _needs(*modules: str) -> None:
             pytest.skip(f"{m} is not installed (pip install -e '.[test]')")
 
 
-def _descendants(pid: int) -> list[int]:
-    """Every process below ``pid`` (torchrun starts each worker in a session of its own, so
-    a signal to torchrun's process group does not reach them)."""
-    children: dict[int, list[int]] = {}
-    for d in os.listdir("/proc"):
-        try:
-            with open(f"/proc/{d}/stat") as f:
-                children.setdefault(int(f.read().rsplit(")", 1)[1].split()[1]), []).append(int(d))
-        except (OSError, ValueError, IndexError):
-            continue
-    found, todo = [], [pid]
-    while todo:
-        kids = children.get(todo.pop(), [])
-        found += kids
-        todo += kids
-    return found
-
-
 def _launch(cmd: list[str], cwd: Path, env: dict, log_path: Path) -> int:
     """Run ``cmd`` to its exit code, or stop it and every process under it at the deadline."""
     with open(log_path, "w") as log:  # a file, not a pipe: a stray worker cannot block us
@@ -64,7 +47,7 @@ def _launch(cmd: list[str], cwd: Path, env: dict, log_path: Path) -> int:
         try:
             return proc.wait(timeout=DEADLINE_S)
         except subprocess.TimeoutExpired:
-            workers = _descendants(proc.pid)
+            workers = descendants(proc.pid)  # torchrun starts each worker in a session of its own
             proc.terminate()  # torchrun stops its workers on SIGTERM
             try:
                 proc.wait(timeout=20)
