@@ -17,15 +17,18 @@ SAME = "test-trust2-gain-beta-default"
 rules.register(SAME, research.gain_rule_beta(0.5, rules.NOISE_BETA), replace=True)
 
 
-def _run(update: str, steps: int = 14) -> dict:
+def _run(update: str, lrs: list[float] | None = None) -> dict:
+    """14 steps at lr 3e-3, or one step at each lr of ``lrs``."""
+    lrs = lrs or [3e-3] * 14
     torch.manual_seed(3)
     p = torch.nn.Parameter(torch.randn(4096))
     q = torch.nn.Parameter(torch.randn(33, 31))  # a second bucket entry, padded
-    opt = scape.SCAPE([p, q], lr=3e-3, sparsity=0.97, block_size=256, warmup_steps=3,
+    opt = scape.SCAPE([p, q], lr=lrs[0], sparsity=0.97, block_size=256, warmup_steps=3,
                       update=update, max_grad_norm=1.0)
     g = torch.Generator().manual_seed(11)
     masks = []
-    for _ in range(steps):
+    for lr in lrs:
+        opt.param_groups[0]["lr"] = lr
         p.grad = torch.randn(4096, generator=g) * 0.1 + 0.05 * torch.sign(p.detach())
         q.grad = torch.randn(33, 31, generator=g)
         opt.step()
@@ -36,14 +39,19 @@ def _run(update: str, steps: int = 14) -> dict:
             "age": s.age.clone(), "masks": masks, **{k: v.clone() for k, v in s.extra.items()}}
 
 
-def test_the_default_factor_trains_as_the_fresh_gain_rule():
-    ref, same = _run("catchup_agree_trust2_gain"), _run(SAME)
+def _assert_same(ref: dict, other: dict) -> None:
+    """Bit for bit: parameters, moments, ages, EMAs and every step's mask."""
     for name, a in ref.items():
         if name == "masks":
             assert all((x is None and y is None) or torch.equal(x, y)
-                       for x, y in zip(a, same[name]))
+                       for x, y in zip(a, other[name]))
         else:
-            assert torch.equal(a, same[name]), name
+            assert torch.equal(a, other[name]), name
+
+
+def test_the_default_factor_trains_as_the_fresh_gain_rule():
+    ref, same = _run("catchup_agree_trust2_gain"), _run(SAME)
+    _assert_same(ref, same)
     assert int((ref["age"] == 0).sum()) > 0 and float(ref["mu"].abs().sum()) > 0
 
 
@@ -62,31 +70,14 @@ def test_another_factor_changes_the_emas_and_the_masks():
     assert not torch.equal(ref["p"], b90["p"])
 
 
-def _run_lrs(update: str, lrs: list[float]) -> dict:
-    """:func:`_run`'s set-up, the lr set before each step from ``lrs``."""
-    torch.manual_seed(3)
-    p = torch.nn.Parameter(torch.randn(4096))
-    opt = scape.SCAPE([p], lr=lrs[0], sparsity=0.97, block_size=256, warmup_steps=3,
-                      update=update, max_grad_norm=1.0)
-    g = torch.Generator().manual_seed(11)
-    for lr in lrs:
-        opt.param_groups[0]["lr"] = lr
-        p.grad = torch.randn(4096, generator=g) * 0.1 + 0.05 * torch.sign(p.detach())
-        opt.step()
-    s = opt.shards[0]
-    return {"p": p.detach().clone(), "m": s.m.clone(), "age": s.age.clone(),
-            **{k: v.clone() for k, v in s.extra.items()}}
-
-
 def test_the_factor_after_the_lr_warmup_follows_the_lr():
     # a fresh instance per optimizer: the rule keeps its per-shard lr state
     rules.register("test-b98w", research.BetaAfterLrWarmup(0.5, 0.98).rule(), replace=True)
     rising = [1e-3 * (i + 1) for i in range(12)]
-    ref, warm = _run_lrs("catchup_agree_trust2_gain", rising), _run_lrs("test-b98w", rising)
-    for name, a in ref.items():  # while the lr rises: the default's factor, bit for bit
-        assert torch.equal(a, warm[name]), name
+    ref, warm = _run("catchup_agree_trust2_gain", rising), _run("test-b98w", rising)
+    _assert_same(ref, warm)  # while the lr rises: the default's factor
     rules.register("test-b98w", research.BetaAfterLrWarmup(0.5, 0.98).rule(), replace=True)
-    flat = _run_lrs("test-b98w", [3e-3] * 12)
+    flat = _run("test-b98w", [3e-3] * 12)
     # dense steps 1-3 and sparse steps 4-5 observe at 0.95 (the first update saw the lr rise
     # from nothing, and the EMAs read it a step late); steps 6-12 at 0.98
     want = 1 - rules.NOISE_BETA ** 5 * 0.98 ** 7

@@ -125,8 +125,8 @@ class BetaAfterLrWarmup:
         return gain_select(shard, hp, k, k_explore, block_size, beta=self.factor(shard))
 
     def rule(self) -> Rule:
-        return dataclasses.replace(gain_selected(self.update, gain_score, select=self.select),
-                                   score=self.score, observe=self.observe)
+        return dataclasses.replace(gain_selected(self.update, self.score, select=self.select),
+                                   observe=self.observe)
 
 
 RESEARCH_RULES: dict[str, Rule] = {
