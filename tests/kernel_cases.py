@@ -179,19 +179,52 @@ def noise_ema_f64(buf, prev0, age, s2_0, s2w_0, beta, error_feedback, mu0=None):
     return out if mu0 is None else out + (beta * mu0.double() + (1 - beta) * local,)
 
 
-def gain_score_f64(mu, s2, s2w, age, beta, beta1, world, prev=None):
-    """``gain_score`` in float64, written out from its docstring."""
+def _gain_terms(mu, s2, s2w, age, beta, prev):
+    """``(mean, var, cover, scale)`` of ``gain_score`` in float64; ``scale`` is the size of
+    the terms that ``mean^2 - var / cover`` subtracts, before they cancel."""
     w = s2w.double().clamp(min=1e-12)
     mean = mu.double() / w
-    var = (s2.double() / w - mean ** 2).clamp(min=0.0)
+    sq = s2.double() / w
+    var = (sq - mean ** 2).clamp(min=0.0)
     span = (1 + beta) / (1 - beta)
     cover = torch.full_like(mean, span)
+    big = mean.abs()
     if prev is not None:
         cover = cover + age.double()
-        mean = (span * mean + torch.where(age > 0, prev.double(), 0.0)) / cover
+        waited = torch.where(age > 0, prev.double(), 0.0)
+        big = (span * mean.abs() + waited.abs()) / cover
+        mean = (span * mean + waited) / cover
+    return mean, var, cover, big ** 2 + (sq + mean ** 2) / cover
+
+
+def gain_score_f64(mu, s2, s2w, age, beta, beta1, world, prev=None):
+    """``gain_score`` in float64, written out from its docstring."""
+    mean, var, cover, _ = _gain_terms(mu, s2, s2w, age, beta, prev)
     sig = (mean ** 2 - var / cover).clamp(min=0.0).sqrt()
     sigma_m = (2 * var * (1 - beta1) / (1 + beta1) / world + 1e-30).sqrt()
     return sig * (torch.special.erf(sig / sigma_m) * (age.double() + 1)).clamp(min=1.0)
+
+
+def assert_gain_close(out, mu, s2, s2w, age, beta, beta1, world, prev=None, rtol=1e-4):
+    """``out`` (an fp32 ``gain_score``) against the float64 formula, to within what fp32 can
+    hold: the signal ``sqrt(mean^2 - var / cover)`` subtracts terms of size ``scale``, so
+    its argument is known to ``ulps * eps * scale`` (E) and the root to
+    ``sqrt(d + E) - sqrt(d - E)``, which near ``d = 0`` is far above a relative tolerance.
+    The score is the signal times a factor up to ``age + 1`` (erf's slope adds at most half
+    of that). Anywhere the terms do not cancel this is ``rtol``."""
+    want = gain_score_f64(mu, s2, s2w, age, beta, beta1, world, prev)
+    mean, var, cover, scale = _gain_terms(mu, s2, s2w, age, beta, prev)
+    d = (mean ** 2 - var / cover).clamp(min=0.0)
+    e = 16 * torch.finfo(torch.float32).eps * scale
+    d_sig = (d + e).sqrt() - (d - e).clamp(min=0.0).sqrt()
+    tol = 1.5 * (age.double() + 1) * d_sig + rtol * want.abs() + 1e-30
+    err = (out.double() - want).abs()
+    bad = ~(err <= tol)  # NaN fails
+    if bool(bad.any()):
+        i = int((err / tol).nan_to_num(float("inf")).argmax())
+        raise AssertionError(f"gain_score: {int(bad.sum())} of {bad.numel()} entries off; "
+                             f"worst at {i}: {float(out[i])!r} vs {float(want[i])!r} "
+                             f"(allowed {float(tol[i]):.3g})")
 
 
 def gain_inputs(gen, n):
