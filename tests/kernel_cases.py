@@ -197,12 +197,17 @@ def _gain_terms(mu, s2, s2w, age, beta, prev):
     return mean, var, cover, big ** 2 + (sq + mean ** 2) / cover
 
 
-def gain_score_f64(mu, s2, s2w, age, beta, beta1, world, prev=None):
-    """``gain_score`` in float64, written out from its docstring."""
-    mean, var, cover, _ = _gain_terms(mu, s2, s2w, age, beta, prev)
+def _gain_of(mean, var, cover, age, beta1, world):
+    """The score from :func:`_gain_terms`'s first three."""
     sig = (mean ** 2 - var / cover).clamp(min=0.0).sqrt()
     sigma_m = (2 * var * (1 - beta1) / (1 + beta1) / world + 1e-30).sqrt()
     return sig * (torch.special.erf(sig / sigma_m) * (age.double() + 1)).clamp(min=1.0)
+
+
+def gain_score_f64(mu, s2, s2w, age, beta, beta1, world, prev=None):
+    """``gain_score`` in float64, written out from its docstring."""
+    mean, var, cover, _ = _gain_terms(mu, s2, s2w, age, beta, prev)
+    return _gain_of(mean, var, cover, age, beta1, world)
 
 
 def assert_gain_close(out, mu, s2, s2w, age, beta, beta1, world, prev=None, rtol=1e-4):
@@ -212,8 +217,8 @@ def assert_gain_close(out, mu, s2, s2w, age, beta, beta1, world, prev=None, rtol
     ``sqrt(d + E) - sqrt(d - E)``, which near ``d = 0`` is far above a relative tolerance.
     The score is the signal times a factor up to ``age + 1`` (erf's slope adds at most half
     of that). Anywhere the terms do not cancel this is ``rtol``."""
-    want = gain_score_f64(mu, s2, s2w, age, beta, beta1, world, prev)
     mean, var, cover, scale = _gain_terms(mu, s2, s2w, age, beta, prev)
+    want = _gain_of(mean, var, cover, age, beta1, world)
     d = (mean ** 2 - var / cover).clamp(min=0.0)
     e = 16 * torch.finfo(torch.float32).eps * scale
     d_sig = (d + e).sqrt() - (d - e).clamp(min=0.0).sqrt()
