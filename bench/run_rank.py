@@ -4,10 +4,13 @@ report one dict per rank through a queue."""
 
 from __future__ import annotations
 
+import ctypes
 import datetime
 import hashlib
 import json
 import os
+import signal
+import sys
 import time
 import traceback
 from typing import Any
@@ -100,9 +103,28 @@ def _two_level(cfg: RunConfig, world: int) -> HierarchicalCommunicator:
     return HierarchicalCommunicator(intra=levels[0], inter=levels[1])
 
 
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def end_with_parent(parent: int) -> None:
+    """On Linux, have the kernel SIGKILL this process when ``parent`` (the driver) ends,
+    however it ends: a SIGKILL of the driver runs none of its cleanup, and its ranks would
+    train on. Exits at once if ``parent`` is already gone. Elsewhere a no-op."""
+    if not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
+        return  # not allowed here (a sandbox): the driver's own cleanup is all there is
+    if os.getppid() != parent:  # the driver ended before the prctl
+        os._exit(1)
+
+
 def rank_main(rank: int, world: int, cfg_dict: dict[str, Any], init_file: str,
-               q: Any) -> None:
-    """Body of one rank: train, measure, report a dict through ``q``."""
+              q: Any, parent: int | None = None) -> None:
+    """Body of one rank: train, measure, report a dict through ``q``. With ``parent`` (the
+    driver's pid) the rank ends when the driver does (:func:`end_with_parent`)."""
+    if parent is not None:
+        end_with_parent(parent)
     try:
         cfg = RunConfig.from_dict(cfg_dict)
         if cfg.node_netns is not None:  # this rank's node (bench.netns_nodes)

@@ -98,7 +98,8 @@ def run(cfg: RunConfig) -> dict[str, Any]:
 
     Raises ``RuntimeError`` with every failing rank's traceback, or ``TimeoutError`` after
     killing every rank when ``cfg.timeout_s`` passes. Interrupted (Ctrl-C, or SIGTERM on the
-    main thread), it kills every rank before the exception leaves it.
+    main thread), it kills every rank before the exception leaves it; killed outright
+    (SIGKILL), its ranks get SIGKILL from the kernel on Linux (``PR_SET_PDEATHSIG``).
     """
     if not isinstance(cfg, RunConfig):
         raise TypeError(f"run() takes a RunConfig, got {type(cfg).__name__}")
@@ -108,7 +109,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="scape-run-") as tmp, _sigterm_unwinds():
         init_file = os.path.join(tmp, "store")
         procs = [ctx.Process(target=rank_main, args=(r, cfg.world, dataclasses.asdict(cfg),
-                                                      init_file, q), daemon=True)
+                                                      init_file, q, os.getpid()), daemon=True)
                  for r in range(cfg.world)]
         for p in procs:
             p.start()

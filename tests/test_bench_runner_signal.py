@@ -1,6 +1,7 @@
 """``bench.runner.run`` ends its ranks when its process is told to stop: a SIGTERM to a
 ``python -m bench.runner`` (as a job scheduler or ``kill`` sends) used to end the driver at
-once and leave its spawned ranks training on under init."""
+once and leave its spawned ranks training on under init; a SIGKILL (``kill -9``, the OOM
+killer), which no handler sees, still does without the kernel's parent-death signal."""
 
 from __future__ import annotations
 
@@ -43,7 +44,8 @@ def _running(pid: int) -> bool:
         return False
 
 
-def test_sigterm_ends_every_rank(tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "sigkill"])
+def test_signal_ends_every_rank(tmp_path, sig):
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     log = tmp_path / "stderr"  # a file, not a pipe: orphaned ranks would hold a pipe open
     with open(log, "wb") as err:
@@ -59,13 +61,14 @@ def test_sigterm_ends_every_rank(tmp_path):
             time.sleep(0.2)
             ranks = _ranks(driver.pid)
         ranks = [r for r in ranks if _running(r)]
-        driver.send_signal(signal.SIGTERM)
+        driver.send_signal(sig)
         code = driver.wait(timeout=60)
         deadline = time.monotonic() + 30
         while any(map(_running, ranks)) and time.monotonic() < deadline:
             time.sleep(0.2)
         assert not any(map(_running, ranks)), f"ranks {ranks} still run after the driver ended"
-        assert code == 128 + signal.SIGTERM, (code, log.read_text()[-2000:])
+        want = 128 + sig if sig == signal.SIGTERM else -sig  # SIGKILL: no handler runs
+        assert code == want, (code, log.read_text()[-2000:])
     finally:
         for r in ranks:
             try:
