@@ -13,12 +13,12 @@ from scape.io import CheckpointError, load_checkpoint, save_checkpoint
 from scape.io import resolve as resolve_checkpoint
 from scape.optimizer import SCAPE
 from scape.replicate import broadcast_parameters
-from scape.schedules import sparsity_ramp
+from scape.schedules import SparsityRamp, sparsity_ramp
 from scape.sparseloco import SparseLoCo
 from scape.step_info import StepInfo
 from scape.wrappers import skip_ddp_allreduce
 
 __all__ = ["SCAPE", "DistributedAdamW", "StepInfo", "SparseLoCo", "DiLoCo",
            "save_checkpoint", "load_checkpoint", "CheckpointError", "sparsity_ramp",
-           "broadcast_parameters", "skip_ddp_allreduce", "resolve_checkpoint"]
+           "SparsityRamp", "broadcast_parameters", "skip_ddp_allreduce", "resolve_checkpoint"]
 __version__ = "0.1.0"

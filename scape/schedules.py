@@ -5,28 +5,34 @@ makes a mask).
 A sparsity warm-up spends more of a run's bytes early, as Deep Gradient Compression (Lin et
 al., 2018) does. On the bundled workload it did not beat the same bytes spread evenly over the
 run (docs/research.md). Where it pays is in place of dense warm-up steps: with
-``warmup_steps=1``, a 20-step ramp from 0.5 to 0.99 kept a 600-step run within 1/50 of dense
-AdamS's bytes (the 20 default dense steps: 1/22) and ended closer to dense AdamS than the
-default on two workloads, two seeds each, and so did a ramp from 0.5 to 0.9 at 0.9
-(docs/research.md, "A sparsity ramp in place of the dense warm-up", "The ramp at 0.9"). Write
-it before every step, as an LR scheduler writes ``lr``; sparse step ``j`` (from 0) then sends
-a mask made at ``sparsity_ramp(j)``:
+``warmup_steps=1``, a ramp from 0.5 to 0.99 (20 steps at 600 steps, 10 at 400) keeps a run
+within 1/50 of dense AdamS's bytes (the 20 default dense steps: 1/22 at 600 steps) and ended
+closer to dense AdamS than the default on two workloads, two seeds each, and so did a ramp from
+0.5 to 0.9 at 0.9 (docs/research.md, "A sparsity ramp in place of the dense warm-up", "The ramp
+at 0.9"). :class:`SparsityRamp` writes it, sized to a byte budget, as an LR scheduler does::
 
     opt = scape.SCAPE(model.parameters(), lr=3e-4, sparsity=0.99, warmup_steps=1)
+    ramp = scape.SparsityRamp(opt, start=0.5, total_steps=400, budget=1 / 50)  # 10 steps
     for batch in loader:
-        for g in opt.param_groups:
-            g["sparsity"] = scape.sparsity_ramp(opt.step_count + 1 - opt.warmup_steps,
-                                                start=0.5, end=0.99, ramp_steps=20)
         loss_fn(model, batch).backward()
         opt.step()
+        ramp.step()
         opt.zero_grad()
+
+:func:`run_bytes` is what a run sends against dense AdamS (the formula of README "Cost",
+step by step), :func:`longest_ramp` the ramp a budget allows.
 """
 
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING, Any
 
 from scape import config
+from scape.rules import block_budget
+
+if TYPE_CHECKING:
+    from scape.optimizer import SCAPE
 
 
 def sparsity_ramp(step: int, *, start: float, end: float, ramp_steps: int) -> float:
@@ -57,3 +63,144 @@ def mean_ramp_density(start: float, end: float) -> float:
     """Mean density ``1 - sparsity`` over a :func:`sparsity_ramp` (continuous limit)."""
     d0, d1 = 1.0 - start, 1.0 - end
     return d0 if math.isclose(d0, d1) else (d0 - d1) / math.log(d0 / d1)
+
+
+def _check_opt(opt: Any) -> None:
+    from scape.optimizer import SCAPE
+    if not isinstance(opt, SCAPE):
+        raise TypeError(f"expected a scape.SCAPE optimizer, got {type(opt).__name__}")
+    if getattr(opt, "_node", None) is not None:
+        raise ValueError("a two-level optimizer sends different bytes on each level: read "
+                         "opt.last_step.level_bytes instead")
+
+
+def run_bytes(opt: SCAPE, total_steps: int, *, start: float | None = None,
+              ramp_steps: int = 0, ends: list[float] | None = None) -> float:
+    """What ``total_steps`` steps of ``opt`` send, as a fraction of what dense sharded AdamS
+    sends over as many steps, from the formula of README "Cost" applied step by step.
+
+    Step ``t`` (from 1) is dense for ``t <= opt.warmup_steps`` and on ``opt.dense_every``,
+    else sparse; from the last warm-up step on, each step also shares the next mask, made at
+    :func:`sparsity_ramp` ``(t - warmup_steps)`` from ``start`` to each sparse group's
+    sparsity (``ends``: their values now by default) over ``ramp_steps`` (no ramp when
+    ``start`` is None). Dense AdamS sends ``N (b_g + b_p) + 8`` a step: the same wire dtypes,
+    no padding. Exact for every rank's payload (ring factors and :class:`scape.comm` headers
+    aside: ``opt.last_step.bytes`` counts the same); a group whose sparsity changes otherwise
+    than this is not foreseen. Raises ``ValueError`` for a two-level optimizer.
+    """
+    _check_opt(opt)
+    config.check_int("total_steps", total_steps, 1)
+    ends = _ends(opt, ends)
+    b_g = opt.grad_comm_dtype.itemsize
+    w, every, bsz = opt.warmup_steps, opt.dense_every, opt.block_size
+
+    def sparsity(g: int, t: int) -> float:
+        if start is None or ends[g] == 0.0:
+            return ends[g]
+        return sparsity_ramp(t - w, start=start, end=ends[g], ramp_steps=ramp_steps)
+
+    dense_total = sent = 0.0
+    for t in range(1, total_steps + 1):
+        dense_step = t <= w or (every > 0 and t % every == 0)
+        sent += 8
+        dense_total += 8
+        for i, b in enumerate(opt.buckets):
+            b_p = b.dtype.itemsize
+            dense_total += b.numel * (b_g + b_p)
+            if opt.masks[i] is None:
+                sent += b.n_pad * (b_g + b_p)
+                continue
+            if dense_step:
+                sent += b.n_pad * (b_g + b_p)
+            else:  # the mask made at step t - 1
+                sent += b.n_pad // bsz * _k(sparsity(b.group, t - 1), opt) * (b_g + b_p)
+            if t >= w and not (every > 0 and (t + 1) % every == 0):  # the next mask
+                sent += b.n_pad // bsz * _k(sparsity(b.group, t), opt) * 2
+    return sent / dense_total
+
+
+def longest_ramp(opt: SCAPE, total_steps: int, *, budget: float, start: float = 0.5,
+                 ends: list[float] | None = None) -> int:
+    """The most steps a ramp from ``start`` can take while ``total_steps`` steps of ``opt``
+    send at most ``budget`` of dense AdamS's bytes (:func:`run_bytes`): 0 when only no ramp
+    fits. Raises ``ValueError`` when even that does not fit (fewer warm-up steps, a lower
+    target sparsity or a larger budget would)."""
+    if not 0.0 < budget <= 1.0:
+        raise ValueError(f"Invalid budget: {budget} (a fraction of dense's bytes in (0, 1])")
+    ends = _ends(opt, ends)
+    if run_bytes(opt, total_steps, ends=ends) > budget:
+        raise ValueError(f"{total_steps} steps of this optimizer send "
+                         f"{run_bytes(opt, total_steps, ends=ends):.4f} of dense's bytes "
+                         f"without a ramp, more than the budget {budget:.4f}: use fewer "
+                         "warm-up steps, a higher sparsity or a larger budget")
+    lo, hi = 0, max(0, total_steps - opt.warmup_steps)  # bytes grow with the ramp's length
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if run_bytes(opt, total_steps, start=start, ramp_steps=mid, ends=ends) <= budget:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+class SparsityRamp:
+    """A sparsity warm-up for :class:`scape.SCAPE`, used like an LR scheduler: build it after
+    the optimizer (it writes the first step's sparsity) and call :meth:`step` after each
+    ``opt.step()``.
+
+    Every sparse group's sparsity ramps from ``start`` to its value at construction (its
+    target) over ``ramp_steps`` sparse steps (:func:`sparsity_ramp`), counted from
+    ``opt.step_count``, so it follows a loaded checkpoint. Give ``ramp_steps``, or
+    ``total_steps`` and ``budget`` to take :func:`longest_ramp`. Save it with the
+    optimizer (``scape.save_checkpoint(opt, root, extra={"ramp": ramp})``): its state holds
+    the targets, which the groups' own values no longer show mid-ramp.
+    """
+
+    def __init__(self, opt: SCAPE, *, start: float = 0.5, ramp_steps: int | None = None,
+                 total_steps: int | None = None, budget: float | None = None) -> None:
+        _check_opt(opt)
+        if (ramp_steps is None) == (total_steps is None or budget is None):
+            raise ValueError("SparsityRamp takes ramp_steps, or total_steps and budget")
+        self.opt = opt
+        self.ends = [float(g["sparsity"]) for g in opt.param_groups]
+        for end in self.ends:
+            if end:
+                sparsity_ramp(0, start=start, end=end, ramp_steps=0)  # its checks
+        if ramp_steps is None:
+            assert total_steps is not None and budget is not None
+            ramp_steps = longest_ramp(opt, total_steps, budget=budget, start=start,
+                                      ends=self.ends)
+        config.check_int("ramp_steps", ramp_steps, 0)
+        self.start, self.ramp_steps = float(start), int(ramp_steps)
+        self.step()
+
+    def step(self) -> None:
+        """Write the sparsity of the optimizer's next step into every sparse group."""
+        j = self.opt.step_count + 1 - self.opt.warmup_steps
+        for g, end in zip(self.opt.param_groups, self.ends):
+            if end:
+                g["sparsity"] = sparsity_ramp(j, start=self.start, end=end,
+                                              ramp_steps=self.ramp_steps)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"start": self.start, "ramp_steps": self.ramp_steps, "ends": list(self.ends)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if len(state["ends"]) != len(self.ends):
+            raise ValueError(f"SparsityRamp state for {len(state['ends'])} param groups, the "
+                             f"optimizer has {len(self.ends)}")
+        self.start, self.ramp_steps = float(state["start"]), int(state["ramp_steps"])
+        self.ends = [float(e) for e in state["ends"]]
+        self.step()
+
+
+def _ends(opt: Any, ends: list[float] | None) -> list[float]:
+    if ends is None:
+        return [float(g["sparsity"]) for g in opt.param_groups]
+    if len(ends) != len(opt.param_groups):
+        raise ValueError(f"ends: {len(ends)} values for {len(opt.param_groups)} param groups")
+    return [float(e) for e in ends]
+
+
+def _k(sparsity: float, opt: Any) -> int:
+    return block_budget(sparsity, opt.block_size, 0.0)[0]

@@ -1,0 +1,155 @@
+"""``scape.SparsityRamp``, ``scape.schedules.run_bytes`` and ``longest_ramp``: the scheduler
+writes what the documented hand-written loop writes (same parameters, bit for bit, also across
+a checkpoint), and the byte formula equals what the optimizer's steps count, so a ramp sized to
+a budget keeps it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import scape
+from bench.nullcomm import NullCommunicator
+from scape.schedules import longest_ramp, run_bytes
+
+
+def _groups(seed: int, mixed: bool) -> list[dict]:
+    """Fresh parameters from ``seed``: one group, or a 0.99, a 0.9 and a dense group."""
+    g = torch.Generator().manual_seed(seed)
+    ps = [torch.nn.Parameter(torch.randn(n, generator=g)) for n in (3 * 4096 + 100, 5000, 700)]
+    if not mixed:
+        return [{"params": ps}]
+    return [{"params": [ps[0]]}, {"params": [ps[1]], "sparsity": 0.9},
+            {"params": [ps[2]], "sparsity": 0.0}]
+
+
+def _opt(groups: list[dict], warmup: int = 1, every: int = 0, comm=None) -> scape.SCAPE:
+    return scape.SCAPE(groups, lr=1e-3, sparsity=0.99, block_size=256, warmup_steps=warmup,
+                       dense_every=every, comm=comm)
+
+
+def _grads(opt: scape.SCAPE, t: int) -> None:
+    g = torch.Generator().manual_seed(1000 + t)
+    for group in opt.param_groups:
+        for p in group["params"]:
+            p.grad = torch.randn(p.shape, generator=g)
+
+
+@pytest.mark.parametrize("warmup,every,ramp,mixed", [
+    (1, 0, None, False), (2, 0, 5, False), (1, 4, 5, False), (3, 5, 4, True), (2, 3, 0, True)])
+def test_run_bytes_is_what_the_steps_send(warmup, every, ramp, mixed):
+    steps = 14
+    groups = _groups(0, mixed)
+    opt = _opt(groups, warmup, every)
+    sched = None if ramp is None else scape.SparsityRamp(opt, start=0.5, ramp_steps=ramp)
+    ends = [0.99, 0.9, 0.0] if mixed else [0.99]
+    predicted = run_bytes(opt, steps, start=None if ramp is None else 0.5,
+                          ramp_steps=ramp or 0, ends=ends)
+    sent, seen = 0, set()
+    for t in range(steps):
+        _grads(opt, t)
+        opt.step()
+        sent += sum(opt.last_step.bytes.values())
+        seen.add(opt.last_step.dense)
+        if sched is not None:
+            sched.step()
+    n = sum(p.numel() for g in groups for p in g["params"])
+    assert seen == {True, False}  # both kinds of step were counted
+    assert predicted * steps * (8 * n + 8) == pytest.approx(sent, rel=1e-12)
+    assert 0 < predicted < 1
+
+
+def test_longest_ramp_fits_the_budget_and_one_more_step_does_not():
+    steps, budget = 60, 1 / 20
+    opt = _opt(_groups(1, False), comm=NullCommunicator(4, 0))  # a 4-rank layout, no peers
+    r = longest_ramp(opt, steps, budget=budget)
+    assert 0 < r < steps
+    assert run_bytes(opt, steps, start=0.5, ramp_steps=r) <= budget
+    assert run_bytes(opt, steps, start=0.5, ramp_steps=r + 1) > budget
+    assert longest_ramp(opt, steps, budget=budget, start=0.8) > r  # a sparser start: longer
+    ramp = scape.SparsityRamp(opt, start=0.5, total_steps=steps, budget=budget)
+    assert ramp.ramp_steps == r
+    with pytest.raises(ValueError, match="without a ramp"):
+        longest_ramp(opt, 5, budget=1 / 50)  # the dense warm-up step alone is 1/5 of 5 steps
+    for bad in (0.0, -0.1, 1.5):
+        with pytest.raises(ValueError, match="Invalid budget"):
+            longest_ramp(opt, steps, budget=bad)
+
+
+def _manual(steps: int, mixed: bool) -> list[torch.Tensor]:
+    """The loop docs/research.md's runs used: the ramp written by hand before each step."""
+    opt = _opt(_groups(2, mixed))
+    ends = [g["sparsity"] for g in opt.param_groups]
+    for t in range(steps):
+        for g, end in zip(opt.param_groups, ends):
+            if end:
+                g["sparsity"] = scape.sparsity_ramp(opt.step_count + 1 - opt.warmup_steps,
+                                                    start=0.5, end=end, ramp_steps=6)
+        _grads(opt, t)
+        opt.step()
+    opt.finish_param_sync()
+    return [p.detach().clone() for g in opt.param_groups for p in g["params"]]
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_scheduler_equals_the_hand_written_ramp(mixed):
+    steps = 12
+    opt = _opt(_groups(2, mixed))
+    ramp = scape.SparsityRamp(opt, start=0.5, ramp_steps=6)
+    written = []
+    for t in range(steps):
+        written.append([g["sparsity"] for g in opt.param_groups])
+        _grads(opt, t)
+        opt.step()
+        ramp.step()
+    opt.finish_param_sync()
+    got = [p.detach() for g in opt.param_groups for p in g["params"]]
+    for a, b in zip(got, _manual(steps, mixed)):
+        assert torch.equal(a, b)
+    first = [w[0] for w in written]
+    assert first[0] == 0.5 and first[-1] == 0.99  # ramped, then at the target
+    assert all(a >= b for a, b in zip(first[1:], first))  # never less sparse
+    if mixed:
+        assert {w[2] for w in written} == {0.0} and written[-1][1] == 0.9
+
+
+def test_scheduler_resumes_from_a_checkpoint(tmp_path):
+    steps, cut = 12, 4
+    opt = _opt(_groups(3, False))
+    ramp = scape.SparsityRamp(opt, start=0.5, ramp_steps=6)
+    for t in range(steps):
+        if t == cut:
+            scape.save_checkpoint(opt, tmp_path, extra={"ramp": ramp})
+        _grads(opt, t)
+        opt.step()
+        ramp.step()
+    opt.finish_param_sync()
+    straight = [p.detach().clone() for p in opt.param_groups[0]["params"]]
+
+    opt = _opt(_groups(3, False))
+    ramp = scape.SparsityRamp(opt, start=0.9, ramp_steps=1)  # replaced by the checkpoint's
+    assert scape.load_checkpoint(opt, tmp_path, extra={"ramp": ramp}) == cut
+    assert (ramp.start, ramp.ramp_steps, ramp.ends) == (0.5, 6, [0.99])
+    for t in range(cut, steps):
+        _grads(opt, t)
+        opt.step()
+        ramp.step()
+    opt.finish_param_sync()
+    for a, b in zip(opt.param_groups[0]["params"], straight):
+        assert torch.equal(a.detach(), b)
+
+
+def test_bad_input():
+    opt = _opt(_groups(4, False))
+    with pytest.raises(TypeError, match="scape.SCAPE"):
+        scape.SparsityRamp(torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1),
+                           ramp_steps=3)
+    with pytest.raises(ValueError, match="ramp_steps, or total_steps and budget"):
+        scape.SparsityRamp(opt)
+    with pytest.raises(ValueError, match="ramp_steps, or total_steps and budget"):
+        scape.SparsityRamp(opt, ramp_steps=3, total_steps=100, budget=0.1)
+    with pytest.raises(ValueError):
+        scape.SparsityRamp(opt, start=1.0, ramp_steps=3)
+    with pytest.raises(ValueError, match="param groups"):
+        scape.SparsityRamp(opt, ramp_steps=3).load_state_dict(
+            {"start": 0.5, "ramp_steps": 3, "ends": [0.99, 0.9]})
