@@ -80,13 +80,13 @@ def run_bytes(opt: SCAPE, total_steps: int, *, start: float | None = None,
     sends over as many steps, from the formula of README "Cost" applied step by step.
 
     Step ``t`` (from 1) is dense for ``t <= opt.warmup_steps`` and on ``opt.dense_every``,
-    else sparse; from the last warm-up step on, each step also shares the next mask, made at
-    :func:`sparsity_ramp` ``(t - warmup_steps)`` from ``start`` to each sparse group's
-    sparsity (``ends``: their values now by default) over ``ramp_steps`` (no ramp when
-    ``start`` is None). Dense AdamS sends ``N (b_g + b_p) + 8`` a step: the same wire dtypes,
-    no padding. Exact for every rank's payload (ring factors and :class:`scape.comm` headers
-    aside: ``opt.last_step.bytes`` counts the same); a group whose sparsity changes otherwise
-    than this is not foreseen. Raises ``ValueError`` for a two-level optimizer.
+    else sparse; from the last warm-up step on, each step (but one before a dense refresh)
+    also shares the next mask, made at :func:`sparsity_ramp` ``(t - warmup_steps)`` from
+    ``start`` to each sparse group's sparsity (``ends``: their values now by default) over
+    ``ramp_steps`` (no ramp when ``start`` is None). Dense AdamS sends ``N (b_g + b_p) + 8``
+    a step: the same wire dtypes, no padding. Exact for every rank's payload, as
+    ``opt.last_step.bytes`` counts it (ring factors aside); a group whose sparsity changes
+    otherwise is not foreseen. Raises ``ValueError`` for a two-level optimizer.
     """
     _check_opt(opt)
     config.check_int("total_steps", total_steps, 1)
