@@ -92,7 +92,7 @@ def run_bytes(opt: SCAPE, total_steps: int, *, start: float | None = None,
     config.check_int("total_steps", total_steps, 1)
     ends = _ends(opt, ends)
     b_g = opt.grad_comm_dtype.itemsize
-    w, every, bsz = opt.warmup_steps, opt.dense_every, opt.block_size
+    w, bsz = opt.warmup_steps, opt.block_size
 
     def sparsity(g: int, t: int) -> float:
         if start is None or ends[g] == 0.0:
@@ -101,21 +101,18 @@ def run_bytes(opt: SCAPE, total_steps: int, *, start: float | None = None,
 
     dense_total = sent = 0.0
     for t in range(1, total_steps + 1):
-        dense_step = t <= w or (every > 0 and t % every == 0)
+        dense_step = opt._schedule_dense(t)  # the optimizer's own schedule
         sent += 8
         dense_total += 8
         for i, b in enumerate(opt.buckets):
             b_p = b.dtype.itemsize
             dense_total += b.numel * (b_g + b_p)
-            if opt.masks[i] is None:
-                sent += b.n_pad * (b_g + b_p)
-                continue
-            if dense_step:
+            if opt.masks[i] is None or dense_step:
                 sent += b.n_pad * (b_g + b_p)
             else:  # the mask made at step t - 1
                 sent += b.n_pad // bsz * _k(sparsity(b.group, t - 1), opt) * (b_g + b_p)
-            if t >= w and not (every > 0 and (t + 1) % every == 0):  # the next mask
-                sent += b.n_pad // bsz * _k(sparsity(b.group, t), opt) * 2
+            if opt.masks[i] is not None and t >= w and not opt._schedule_dense(t + 1):
+                sent += b.n_pad // bsz * _k(sparsity(b.group, t), opt) * 2  # the next mask
     return sent / dense_total
 
 
@@ -128,11 +125,11 @@ def longest_ramp(opt: SCAPE, total_steps: int, *, budget: float, start: float = 
     if not 0.0 < budget <= 1.0:
         raise ValueError(f"Invalid budget: {budget} (a fraction of dense's bytes in (0, 1])")
     ends = _ends(opt, ends)
-    if run_bytes(opt, total_steps, ends=ends) > budget:
-        raise ValueError(f"{total_steps} steps of this optimizer send "
-                         f"{run_bytes(opt, total_steps, ends=ends):.4f} of dense's bytes "
-                         f"without a ramp, more than the budget {budget:.4f}: use fewer "
-                         "warm-up steps, a higher sparsity or a larger budget")
+    no_ramp = run_bytes(opt, total_steps, ends=ends)
+    if no_ramp > budget:
+        raise ValueError(f"{total_steps} steps of this optimizer send {no_ramp:.4f} of "
+                         f"dense's bytes without a ramp, more than the budget {budget:.4f}: "
+                         "use fewer warm-up steps, a higher sparsity or a larger budget")
     lo, hi = 0, max(0, total_steps - opt.warmup_steps)  # bytes grow with the ramp's length
     while lo < hi:
         mid = (lo + hi + 1) // 2
@@ -162,7 +159,7 @@ class SparsityRamp:
         if (ramp_steps is None) == (total_steps is None or budget is None):
             raise ValueError("SparsityRamp takes ramp_steps, or total_steps and budget")
         self.opt = opt
-        self.ends = [float(g["sparsity"]) for g in opt.param_groups]
+        self.ends = _ends(opt, None)
         for end in self.ends:
             if end:
                 sparsity_ramp(0, start=start, end=end, ramp_steps=0)  # its checks
