@@ -5,7 +5,7 @@ through :class:`bench.nullcomm.NullCommunicator`, which completes at once but to
 buffers, so the timing holds every kernel, copy and Python line of the step for rank 0 of W.
 Gradients are refilled (untimed) before each step with the same random values.
 
-Target: SCAPE-0.99's local compute <= 1.5x dense sharded AdamS's on the same model and W.
+Target: SCAPE-0.99's local compute <= 1.3x dense sharded AdamS's on the same model and W.
 
     python -m bench.step_compute                      # model "base", W=4, 30 timed steps
     python -m bench.step_compute --smoke
@@ -32,6 +32,7 @@ import torch
 
 import scape
 from bench import optimizers
+from bench.compare_report import environment
 from bench.gpt import GPT, get_config, num_params, param_groups
 from bench.nullcomm import NullCommunicator
 
@@ -155,8 +156,11 @@ def main(argv: list[str] | None = None) -> int:
         r["ratio_to_dense_adams"] = r["median_s"] / dense
     ratio = rows[2]["ratio_to_dense_adams"]
     print(f"SCAPE-0.99 / dense sharded AdamS local compute: {ratio:.2f}x (goal <= 1.3x)")
-    report = {"schema": SCHEMA, "model": args.model, "world": args.world, "device": args.device,
-              "threads": args.threads, "steps": args.steps, "groups": args.groups,
+    on_cuda = torch.device(args.device).type == "cuda"
+    env = environment(args.device, torch.cuda.get_device_name() if on_cuda else None)
+    report = {"schema": SCHEMA, "environment": env, "model": args.model, "world": args.world,
+              "device": args.device, "threads": args.threads, "steps": args.steps,
+              "groups": args.groups,
               "update": rows[2]["update"], "rows": rows}
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:

@@ -224,6 +224,11 @@ def test_step_compute_smoke(tmp_path):
     # the library's default rule, recorded by every SCAPE row
     assert rep["update"] == "auto" and rows["scape_0.99"]["update"] == rep["update"]
     assert rows["dist_adamw"]["update"] is None
+    # where it ran: a timing is read against the machine, versions and revision that made it
+    env = rep["environment"]
+    assert env["device"] == "cpu" and env["device_name"] == "cpu"
+    assert env["torch"] == torch.__version__ and env["cpus"] >= 1
+    assert "git_revision" in env and "python" in env
 
 
 def test_step_compute_groups(tmp_path):
