@@ -83,3 +83,19 @@ def test_the_factor_after_the_lr_warmup_follows_the_lr():
     want = 1 - rules.NOISE_BETA ** 5 * 0.98 ** 7
     assert torch.allclose(flat["s2w"], torch.full_like(flat["s2w"], want), atol=1e-6)
     assert torch.isfinite(flat["p"]).all() and not torch.equal(flat["p"], ref["p"])
+
+
+@pytest.mark.parametrize("rule, ref_name", [
+    (lambda: research.BetaAfterLrWarmup(0.5, 0.98, wait=True).rule(), "auto"),
+    (lambda: research.BetaAfterLrWarmup(0.25, 0.98).rule(), "catchup_agree_trust4_gain")])
+def test_the_variants_while_the_lr_rises(rule, ref_name):
+    """``wait=True`` (``auto_b98w``) masks as ``auto`` (at 0.97 it reads the summed wait), the
+    quarter bound (``catchup_agree_trust4_gain_b98w``) moves as ``catchup_agree_trust4_gain``:
+    bit for bit while the lr rises; at a flat lr both leave their reference."""
+    assert {"auto_b98w", "catchup_agree_trust4_gain_b98w"} <= set(rules.RULES)
+    rising = [1e-3 * (i + 1) for i in range(12)]
+    rules.register("test-b98w-variant", rule(), replace=True)
+    _assert_same(_run(ref_name, rising), _run("test-b98w-variant", rising))
+    rules.register("test-b98w-variant", rule(), replace=True)
+    flat, ref = _run("test-b98w-variant", [3e-3] * 12), _run(ref_name, [3e-3] * 12)
+    assert torch.isfinite(flat["p"]).all() and not torch.equal(flat["p"], ref["p"])

@@ -16,7 +16,8 @@ block RMS; ``agree`` alone: unbounded), ``agree_trustlr`` (the bound follows the
 at the peak to 1/4). The mask: none (``|m|``), ``accum`` (``|m| (age + 1)``), ``gain`` (the
 fresh gain from the EMA), ``gainr`` (the gain with the summed wait); a suffix ``_b<f>`` sets
 the factor of the owner's local EMAs to ``0.<f>`` (``_b98``: 0.98) instead of 0.95, and
-``_b<f>w`` to it once the lr stops rising (0.95 through the lr's warm-up).
+``_b<f>w`` to it once the lr stops rising (0.95 through the lr's warm-up). ``auto_b98w``:
+``auto``'s masks (the summed wait up to sparsity 0.974) with ``_b98w``'s EMAs.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from typing import Any
 import torch
 
 from scape import rules
+from scape.kernels import gain_score as kernel_gain_score
 from scape.rules import (
     RULES,
     Rule,
@@ -96,10 +98,13 @@ class BetaAfterLrWarmup:
     still rises (its warm-up, where the EMAs at 0.98 fell behind at the end of a 100-step one:
     docs/research.md) and ``beta`` once it stops. Whether the last update's lr rose above
     every earlier one is kept here per shard, as :class:`TrustFollowsLr` keeps its peak (not
-    in checkpoints); the EMAs read it one step late (``observe`` runs before the update)."""
+    in checkpoints); the EMAs read it one step late (``observe`` runs before the update).
+    ``wait``: the masks read the summed wait where ``auto``'s do (:func:`scape.rules.reads_wait`),
+    else the fresh gain at every sparsity."""
 
-    def __init__(self, trust: float, beta: float, rising: float = rules.NOISE_BETA) -> None:
-        self.trust, self.beta, self.rising = trust, beta, rising
+    def __init__(self, trust: float, beta: float, rising: float = rules.NOISE_BETA,
+                 wait: bool = False) -> None:
+        self.trust, self.beta, self.rising, self.wait = trust, beta, rising, wait
         self.state: dict[int, tuple[float, bool]] = {}  # id(master) -> (peak lr, rose)
 
     def factor(self, shard: ShardState) -> float:
@@ -118,11 +123,19 @@ class BetaAfterLrWarmup:
         observe_local_moments(shard, buf, error_feedback, beta=self.factor(shard))
 
     def score(self, shard: ShardState, hp: dict) -> torch.Tensor:
+        if self.wait and rules.reads_wait(hp["k"], hp["block_size"]):
+            ex = shard.extra
+            return kernel_gain_score(ex["mu"], ex["s2"], ex["s2w"], shard.age,
+                                     beta=self.factor(shard), beta1=hp["beta1"],
+                                     world=hp.get("world", 1), prev=ex["prev"],
+                                     out=shard.buffer("score"))
         return gain_score(shard, hp, beta=self.factor(shard))
 
     def select(self, shard: ShardState, hp: dict, k: int, k_explore: int,
                block_size: int) -> torch.Tensor:
-        return gain_select(shard, hp, k, k_explore, block_size, beta=self.factor(shard))
+        residual = self.wait and rules.reads_wait(k, block_size)
+        return gain_select(shard, hp, k, k_explore, block_size, residual=residual,
+                           beta=self.factor(shard))
 
     def rule(self) -> Rule:
         return dataclasses.replace(gain_selected(self.update, self.score, select=self.select),
@@ -158,6 +171,8 @@ RESEARCH_RULES: dict[str, Rule] = {
     "catchup_agree_trust2_gain_b99": gain_rule_beta(0.5, 0.99),
     "catchup_agree_trust4_gain_b98": gain_rule_beta(0.25, 0.98),
     "catchup_agree_trust2_gain_b98w": BetaAfterLrWarmup(0.5, 0.98).rule(),
+    "auto_b98w": BetaAfterLrWarmup(0.5, 0.98, wait=True).rule(),
+    "catchup_agree_trust4_gain_b98w": BetaAfterLrWarmup(0.25, 0.98).rule(),
     # the default with its pass before the take split into the three ops (observe, then the
     # catch-up's own ages, then select): the same steps bit for bit, the check of the fusion
     "auto_three_passes": dataclasses.replace(RULES["auto"], observe_select=None),
