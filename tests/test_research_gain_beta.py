@@ -17,13 +17,13 @@ SAME = "test-trust2-gain-beta-default"
 rules.register(SAME, research.gain_rule_beta(0.5, rules.NOISE_BETA), replace=True)
 
 
-def _run(update: str, lrs: list[float] | None = None) -> dict:
+def _run(update: str, lrs: list[float] | None = None, sparsity: float = 0.97) -> dict:
     """14 steps at lr 3e-3, or one step at each lr of ``lrs``."""
     lrs = lrs or [3e-3] * 14
     torch.manual_seed(3)
     p = torch.nn.Parameter(torch.randn(4096))
     q = torch.nn.Parameter(torch.randn(33, 31))  # a second bucket entry, padded
-    opt = scape.SCAPE([p, q], lr=lrs[0], sparsity=0.97, block_size=256, warmup_steps=3,
+    opt = scape.SCAPE([p, q], lr=lrs[0], sparsity=sparsity, block_size=256, warmup_steps=3,
                       update=update, max_grad_norm=1.0)
     g = torch.Generator().manual_seed(11)
     masks = []
@@ -85,17 +85,29 @@ def test_the_factor_after_the_lr_warmup_follows_the_lr():
     assert torch.isfinite(flat["p"]).all() and not torch.equal(flat["p"], ref["p"])
 
 
-@pytest.mark.parametrize("rule, ref_name", [
-    (lambda: research.BetaAfterLrWarmup(0.5, 0.98, wait=True).rule(), "auto"),
-    (lambda: research.BetaAfterLrWarmup(0.25, 0.98).rule(), "catchup_agree_trust4_gain")])
-def test_the_variants_while_the_lr_rises(rule, ref_name):
+@pytest.mark.parametrize("rule, ref_name, sparsity", [
+    (lambda: research.BetaAfterLrWarmup(0.5, 0.98, wait=True).rule(), "auto", 0.97),
+    (lambda: research.BetaAfterLrWarmup(0.25, 0.98).rule(), "catchup_agree_trust4_gain", 0.97),
+    (lambda: research.BetaAfterLrWarmup(0.5, 0.98, trust_dense=0.25).rule(),
+     "catchup_agree_trust4_gain", 0.97),
+    (lambda: research.BetaAfterLrWarmup(0.5, 0.98, trust_dense=0.25).rule(),
+     "catchup_agree_trust2_gain", 0.99)])
+def test_the_variants_while_the_lr_rises(rule, ref_name, sparsity):
     """``wait=True`` (``auto_b98w``) masks as ``auto`` (at 0.97 it reads the summed wait), the
-    quarter bound (``catchup_agree_trust4_gain_b98w``) moves as ``catchup_agree_trust4_gain``:
-    bit for bit while the lr rises; at a flat lr both leave their reference."""
-    assert {"auto_b98w", "catchup_agree_trust4_gain_b98w"} <= set(rules.RULES)
-    rising = [1e-3 * (i + 1) for i in range(12)]
+    quarter bound (``catchup_agree_trust4_gain_b98w``) moves as ``catchup_agree_trust4_gain``,
+    and ``trust24`` as the quarter bound at 0.97 and the half bound at 0.99 (3 of each 256
+    sent: above 0.974): bit for bit while the lr rises; at a flat lr each leaves its
+    reference."""
+    assert {"auto_b98w", "catchup_agree_trust4_gain_b98w",
+            "catchup_agree_trust24_gain_b98w"} <= set(rules.RULES)
+    # an lr large enough for the catch-up's bound to bind (the two bounds differ: below)
+    rising = [2e-2 * (i + 1) for i in range(12)]
     rules.register("test-b98w-variant", rule(), replace=True)
-    _assert_same(_run(ref_name, rising), _run("test-b98w-variant", rising))
+    ref = _run(ref_name, rising, sparsity)
+    _assert_same(ref, _run("test-b98w-variant", rising, sparsity))
+    other = "catchup_agree_trust2_gain" if "trust4" in ref_name else "catchup_agree_trust4_gain"
+    assert not torch.equal(ref["p"], _run(other, rising, sparsity)["p"])
     rules.register("test-b98w-variant", rule(), replace=True)
-    flat, ref = _run("test-b98w-variant", [3e-3] * 12), _run(ref_name, [3e-3] * 12)
+    flat = _run("test-b98w-variant", [0.1] * 12, sparsity)
+    ref = _run(ref_name, [0.1] * 12, sparsity)
     assert torch.isfinite(flat["p"]).all() and not torch.equal(flat["p"], ref["p"])

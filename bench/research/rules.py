@@ -16,7 +16,8 @@ block RMS; ``agree`` alone: unbounded), ``agree_trustlr`` (the bound follows the
 at the peak to 1/4). The mask: none (``|m|``), ``accum`` (``|m| (age + 1)``), ``gain`` (the
 fresh gain from the EMA), ``gainr`` (the gain with the summed wait); a suffix ``_b<f>`` sets
 the factor of the owner's local EMAs to ``0.<f>`` (``_b98``: 0.98) instead of 0.95, and
-``_b<f>w`` to it once the lr stops rising (0.95 through the lr's warm-up). ``auto_b98w``:
+``_b<f>w`` to it once the lr stops rising (0.95 through the lr's warm-up); ``trust24``: the
+bound 1/2 above sparsity 0.974 and 1/4 up to it. ``auto_b98w``:
 ``auto``'s masks (the summed wait up to sparsity 0.974) with ``_b98w``'s EMAs.
 """
 
@@ -100,11 +101,14 @@ class BetaAfterLrWarmup:
     every earlier one is kept here per shard, as :class:`TrustFollowsLr` keeps its peak (not
     in checkpoints); the EMAs read it one step late (``observe`` runs before the update).
     ``wait``: the masks read the summed wait where ``auto``'s do (:func:`scape.rules.reads_wait`),
-    else the fresh gain at every sparsity."""
+    else the fresh gain at every sparsity. ``trust_dense``: the catch-up's bound where that
+    reading would be the wait (a mask of at least 1/39 of each block: sparsity up to 0.974),
+    ``trust`` above it."""
 
     def __init__(self, trust: float, beta: float, rising: float = rules.NOISE_BETA,
-                 wait: bool = False) -> None:
+                 wait: bool = False, trust_dense: float | None = None) -> None:
         self.trust, self.beta, self.rising, self.wait = trust, beta, rising, wait
+        self.trust_dense = trust if trust_dense is None else trust_dense
         self.state: dict[int, tuple[float, bool]] = {}  # id(master) -> (peak lr, rose)
 
     def factor(self, shard: ShardState) -> float:
@@ -117,7 +121,9 @@ class BetaAfterLrWarmup:
             weakref.finalize(shard.master, self.state.pop, key, None)
         peak = self.state.get(key, (0.0, True))[0]
         self.state[key] = (max(peak, hp["lr"]), hp["lr"] > peak)
-        catchup_agree(shard, g, idx, block_size, hp, model_out, trust=self.trust)
+        dense = rules.reads_wait(idx.shape[-1], block_size)
+        catchup_agree(shard, g, idx, block_size, hp, model_out,
+                      trust=self.trust_dense if dense else self.trust)
 
     def observe(self, shard: ShardState, buf: torch.Tensor, error_feedback: bool) -> None:
         observe_local_moments(shard, buf, error_feedback, beta=self.factor(shard))
@@ -173,6 +179,7 @@ RESEARCH_RULES: dict[str, Rule] = {
     "catchup_agree_trust2_gain_b98w": BetaAfterLrWarmup(0.5, 0.98).rule(),
     "auto_b98w": BetaAfterLrWarmup(0.5, 0.98, wait=True).rule(),
     "catchup_agree_trust4_gain_b98w": BetaAfterLrWarmup(0.25, 0.98).rule(),
+    "catchup_agree_trust24_gain_b98w": BetaAfterLrWarmup(0.5, 0.98, trust_dense=0.25).rule(),
     # the default with its pass before the take split into the three ops (observe, then the
     # catch-up's own ages, then select): the same steps bit for bit, the check of the fusion
     "auto_three_passes": dataclasses.replace(RULES["auto"], observe_select=None),
