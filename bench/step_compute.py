@@ -160,8 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     env = environment(args.device, torch.cuda.get_device_name() if on_cuda else None)
     report = {"schema": SCHEMA, "environment": env, "model": args.model, "world": args.world,
               "device": args.device, "threads": args.threads, "steps": args.steps,
-              "groups": args.groups,
-              "update": rows[2]["update"], "rows": rows}
+              "groups": args.groups, "update": rows[2]["update"], "rows": rows}
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1)

@@ -18,7 +18,7 @@ rules.register(SAME, research.gain_rule_beta(0.5, rules.NOISE_BETA), replace=Tru
 
 
 def _run(update: str, lrs: list[float] | None = None, sparsity: float = 0.97) -> dict:
-    """14 steps at lr 3e-3, or one step at each lr of ``lrs``."""
+    """14 steps at lr 3e-3, or one step at each lr of ``lrs``, at ``sparsity``."""
     lrs = lrs or [3e-3] * 14
     torch.manual_seed(3)
     p = torch.nn.Parameter(torch.randn(4096))

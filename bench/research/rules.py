@@ -121,9 +121,9 @@ class BetaAfterLrWarmup:
             weakref.finalize(shard.master, self.state.pop, key, None)
         peak = self.state.get(key, (0.0, True))[0]
         self.state[key] = (max(peak, hp["lr"]), hp["lr"] > peak)
-        dense = rules.reads_wait(idx.shape[-1], block_size)
+        wide = rules.reads_wait(idx.shape[-1], block_size)  # a mask of >= 1/39 of each block
         catchup_agree(shard, g, idx, block_size, hp, model_out,
-                      trust=self.trust_dense if dense else self.trust)
+                      trust=self.trust_dense if wide else self.trust)
 
     def observe(self, shard: ShardState, buf: torch.Tensor, error_feedback: bool) -> None:
         observe_local_moments(shard, buf, error_feedback, beta=self.factor(shard))
