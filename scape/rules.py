@@ -270,7 +270,7 @@ def gain_score(shard: ShardState, hp: dict, beta: float = NOISE_BETA) -> torch.T
                              out=shard.buffer("score"))
 
 
-def gain_score_residual(shard: ShardState, hp: dict) -> torch.Tensor:
+def gain_score_residual(shard: ShardState, hp: dict, beta: float = NOISE_BETA) -> torch.Tensor:
     """:func:`gain_score` whose mean also reads the owner's own gradient summed since the
     coordinate was last sent (with error feedback: ``extra["prev"]``, this step's buffer,
     holds ``age`` of the owner's per-step gradients at an unsent coordinate): the EMA's mean
@@ -281,7 +281,7 @@ def gain_score_residual(shard: ShardState, hp: dict) -> torch.Tensor:
     ``var / (39 + age)``; the rest as :func:`gain_score`. One fused pass on a GPU
     (:func:`scape.kernels.gain_score` with ``prev``, 24 bytes per coordinate)."""
     ex = shard.extra
-    return kernel_gain_score(ex["mu"], ex["s2"], ex["s2w"], shard.age, beta=NOISE_BETA,
+    return kernel_gain_score(ex["mu"], ex["s2"], ex["s2w"], shard.age, beta=beta,
                              beta1=hp["beta1"], world=hp.get("world", 1), prev=ex["prev"],
                              out=shard.buffer("score"))
 

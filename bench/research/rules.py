@@ -33,7 +33,6 @@ from typing import Any
 import torch
 
 from scape import rules
-from scape.kernels import gain_score as kernel_gain_score
 from scape.rules import (
     RULES,
     Rule,
@@ -129,13 +128,9 @@ class BetaAfterLrWarmup:
         observe_local_moments(shard, buf, error_feedback, beta=self.factor(shard))
 
     def score(self, shard: ShardState, hp: dict) -> torch.Tensor:
-        if self.wait and rules.reads_wait(hp["k"], hp["block_size"]):
-            ex = shard.extra
-            return kernel_gain_score(ex["mu"], ex["s2"], ex["s2w"], shard.age,
-                                     beta=self.factor(shard), beta1=hp["beta1"],
-                                     world=hp.get("world", 1), prev=ex["prev"],
-                                     out=shard.buffer("score"))
-        return gain_score(shard, hp, beta=self.factor(shard))
+        wait = self.wait and rules.reads_wait(hp["k"], hp["block_size"])
+        return (rules.gain_score_residual if wait else gain_score)(shard, hp,
+                                                                   beta=self.factor(shard))
 
     def select(self, shard: ShardState, hp: dict, k: int, k_explore: int,
                block_size: int) -> torch.Tensor:
