@@ -102,6 +102,7 @@ def run_bytes(opt: SCAPE, total_steps: int, *, start: float | None = None,
     dense_total = sent = 0.0
     for t in range(1, total_steps + 1):
         dense_step = opt._schedule_dense(t)  # the optimizer's own schedule
+        next_dense = opt._schedule_dense(t + 1)
         sent += 8
         dense_total += 8
         for i, b in enumerate(opt.buckets):
@@ -111,7 +112,7 @@ def run_bytes(opt: SCAPE, total_steps: int, *, start: float | None = None,
                 sent += b.n_pad * (b_g + b_p)
             else:  # the mask made at step t - 1
                 sent += b.n_pad // bsz * _k(sparsity(b.group, t - 1), opt) * (b_g + b_p)
-            if opt.masks[i] is not None and t >= w and not opt._schedule_dense(t + 1):
+            if opt.masks[i] is not None and t >= w and not next_dense:
                 sent += b.n_pad // bsz * _k(sparsity(b.group, t), opt) * 2  # the next mask
     return sent / dense_total
 
