@@ -55,6 +55,7 @@ from typing import Any
 
 import torch
 
+from bench.compare_report import environment
 from bench.convergence_report import SCHEMA, gap_series, plot_gap, table
 from bench.convergence_train import (
     LOCAL_ROWS,
@@ -215,6 +216,7 @@ def main(argv: list[str] | None = None) -> int:
               "dense_val_loss": dense_loss, "command": " ".join(["python -m bench.convergence"]
                                                                + (argv or sys.argv[1:])),
               "machine": platform.processor() or platform.machine(),
+              "environment": environment("cpu", None),
               "date": datetime.date.today().isoformat(),
               "wall_s": time.perf_counter() - started, "world_check": world_check,
               "warnings": warnings, "results": results}

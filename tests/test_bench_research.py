@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import platform
 import subprocess
 import sys
 
@@ -29,6 +30,10 @@ def _run(module: str, out: str, *extra: str) -> dict:
 def test_convergence_smoke(tmp_path):
     rep = _run("bench.convergence", str(tmp_path / "c.json"), "--check-world", "2")
     assert rep["schema"] == "scape.convergence/1"
+    # where it ran: the Python (whose stdlib is the corpus), torch, cores, the revision
+    env = rep["environment"]
+    assert env["python"] == platform.python_version() and env["torch"] == torch.__version__
+    assert env["cpus"] >= 1 and env["device"] == "cpu"
     names = [r["variant"]["name"] for r in rep["results"]]
     assert names[0].startswith("dense-adams") and any(n.startswith("lazy@") for n in names)
     for r in rep["results"]:
