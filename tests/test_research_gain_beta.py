@@ -111,3 +111,23 @@ def test_the_variants_while_the_lr_rises(rule, ref_name, sparsity):
     flat = _run("test-b98w-variant", [0.1] * 12, sparsity)
     ref = _run(ref_name, [0.1] * 12, sparsity)
     assert torch.isfinite(flat["p"]).all() and not torch.equal(flat["p"], ref["p"])
+
+
+@pytest.mark.parametrize("name, trust", [("catchup_agree_trust28_gain_b98w", 0.125),
+                                         ("catchup_agree_trust2cap_gain_b98w", 0.0)])
+def test_the_tighter_bounds_up_to_0974(name, trust):
+    """``trust28`` and ``trust2cap`` at 0.97 (a mask of at least 1/39 of each block) move as
+    the fresh-gain rule with the bound at 1/8 of the block RMS and at none (no catch-up above
+    ``sqrt(a + 1)`` steps) while the lr rises, bit for bit, and not as the quarter bound."""
+    import functools
+
+    assert name in rules.RULES
+    rules.register("test-tight-ref", rules.gain_selected(
+        functools.partial(rules.catchup_agree, trust=trust), rules.gain_score), replace=True)
+    rising = [2e-2 * (i + 1) for i in range(12)]
+    ref = _run("test-tight-ref", rising, 0.97)
+    # a fresh instance of the rule: it keeps its per-shard lr state
+    rules.register("test-tight", research.BetaAfterLrWarmup(
+        0.5, 0.98, trust_dense=trust).rule(), replace=True)
+    _assert_same(ref, _run("test-tight", rising, 0.97))
+    assert not torch.equal(ref["p"], _run("catchup_agree_trust4_gain", rising, 0.97)["p"])
