@@ -117,11 +117,13 @@ def test_the_variants_while_the_lr_rises(rule, ref_name, sparsity):
                                          ("catchup_agree_trust2cap_gain_b98w", 0.0)])
 def test_the_tighter_bounds_up_to_0974(name, trust):
     """``trust28`` and ``trust2cap`` at 0.97 (a mask of at least 1/39 of each block) move as
-    the fresh-gain rule with the bound at 1/8 of the block RMS and at none (no catch-up above
+    the fresh-gain rule with the bound at 1/8 of the block RMS and at zero (no catch-up above
     ``sqrt(a + 1)`` steps) while the lr rises, bit for bit, and not as the quarter bound."""
     import functools
 
     assert name in rules.RULES
+    registered = research.RESEARCH_RULES[name].update.__self__  # the BetaAfterLrWarmup
+    assert (registered.trust, registered.trust_dense, registered.beta) == (0.5, trust, 0.98)
     rules.register("test-tight-ref", rules.gain_selected(
         functools.partial(rules.catchup_agree, trust=trust), rules.gain_score), replace=True)
     rising = [2e-2 * (i + 1) for i in range(12)]
