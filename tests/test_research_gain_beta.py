@@ -5,6 +5,8 @@ the selection."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -119,8 +121,6 @@ def test_the_tighter_bounds_up_to_0974(name, trust):
     """``trust28`` and ``trust2cap`` at 0.97 (a mask of at least 1/39 of each block) move as
     the fresh-gain rule with the bound at 1/8 of the block RMS and at zero (no catch-up above
     ``sqrt(a + 1)`` steps) while the lr rises, bit for bit, and not as the quarter bound."""
-    import functools
-
     assert name in rules.RULES
     registered = research.RESEARCH_RULES[name].update.__self__  # the BetaAfterLrWarmup
     assert (registered.trust, registered.trust_dense, registered.beta) == (0.5, trust, 0.98)
