@@ -115,12 +115,14 @@ def test_the_variants_while_the_lr_rises(rule, ref_name, sparsity):
     assert torch.isfinite(flat["p"]).all() and not torch.equal(flat["p"], ref["p"])
 
 
-@pytest.mark.parametrize("name, trust", [("catchup_agree_trust28_gain_b98w", 0.125),
+@pytest.mark.parametrize("name, trust", [("catchup_agree_trust26_gain_b98w", 1 / 6),
+                                         ("catchup_agree_trust28_gain_b98w", 0.125),
                                          ("catchup_agree_trust2cap_gain_b98w", 0.0)])
 def test_the_tighter_bounds_up_to_0974(name, trust):
-    """``trust28`` and ``trust2cap`` at 0.97 (a mask of at least 1/39 of each block) move as
-    the fresh-gain rule with the bound at 1/8 of the block RMS and at zero (no catch-up above
-    ``sqrt(a + 1)`` steps) while the lr rises, bit for bit, and not as the quarter bound."""
+    """``trust26``, ``trust28`` and ``trust2cap`` at 0.97 (a mask of at least 1/39 of each
+    block) move as the fresh-gain rule with the bound at 1/6 or 1/8 of the block RMS or at zero
+    (no catch-up above ``sqrt(a + 1)`` steps) while the lr rises, bit for bit, and not as the
+    quarter bound."""
     assert name in rules.RULES
     registered = research.RESEARCH_RULES[name].update.__self__  # the BetaAfterLrWarmup
     assert (registered.trust, registered.trust_dense, registered.beta) == (0.5, trust, 0.98)
