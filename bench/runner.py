@@ -79,10 +79,11 @@ def _exit_on_sigterm(signum: int, frame: Any) -> None:
 
 
 @contextlib.contextmanager
-def _sigterm_unwinds() -> Iterator[None]:
+def sigterm_unwinds() -> Iterator[None]:
     """Within: SIGTERM raises ``SystemExit`` (as Ctrl-C raises ``KeyboardInterrupt``), so
-    :func:`run`'s cleanup kills its ranks; by default SIGTERM ends this process at once and the
-    spawned ranks, orphaned, train on. A no-op off the main thread (only it takes signals)."""
+    :func:`run`'s cleanup (or a caller's: :mod:`bench.lr_sweep` ``--jobs``) kills its ranks;
+    by default SIGTERM ends this process at once and the spawned ranks, orphaned, train on. A
+    no-op off the main thread (only it takes signals)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -106,7 +107,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     started = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="scape-run-") as tmp, _sigterm_unwinds():
+    with tempfile.TemporaryDirectory(prefix="scape-run-") as tmp, sigterm_unwinds():
         init_file = os.path.join(tmp, "store")
         procs = [ctx.Process(target=rank_main, args=(r, cfg.world, dataclasses.asdict(cfg),
                                                       init_file, q, os.getpid()), daemon=True)

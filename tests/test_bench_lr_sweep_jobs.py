@@ -1,0 +1,110 @@
+"""``bench.lr_sweep --jobs``: runs at once give the runs one at a time gives, and stopping the
+sweep stops every run it started."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENV = dict(os.environ, PYTHONPATH=ROOT)
+PLAN = ["--smoke", "--workloads", "gpt", "--optimizers", "adams", "scape-0.99", "--lrs", "1e-3"]
+
+
+def _sweep(out, *extra: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "bench.lr_sweep", *PLAN, "--out", str(out),
+                           *extra], cwd=ROOT, env=ENV, timeout=timeout, capture_output=True,
+                          text=True)
+
+
+def _children(pid: int) -> set[int]:
+    """The live processes whose parent is ``pid`` (from /proc)."""
+    kids = set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:  # gone meanwhile
+                continue
+            if int(fields[1]) == pid and fields[0] != "Z":
+                kids.add(int(entry))
+    return kids
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline") as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.timeout(600)
+def test_two_at_once_give_the_runs_one_at_a_time_gives(tmp_path):
+    one = _sweep(tmp_path / "one.json")
+    assert one.returncode == 0, one.stderr[-2000:]
+    two = _sweep(tmp_path / "two.json", "--jobs", "2")
+    assert two.returncode == 0, two.stderr[-2000:]
+    assert "2 runs at once" in two.stdout and "2 runs at once" not in one.stdout
+    a = json.loads((tmp_path / "one.json").read_text())
+    b = json.loads((tmp_path / "two.json").read_text())
+    assert a["complete"] and b["complete"] and len(a["runs"]) == len(b["runs"]) == 2
+    by_key = {(r["optimizer"], r["lr"], r["seed"]): r for r in a["runs"]}
+    for r in b["runs"]:
+        ref = by_key.pop((r["optimizer"], r["lr"], r["seed"]))
+        assert r["ranks_agree"] and r["steps"] == ref["steps"]
+        # the same arithmetic where both ran one thread per rank (a 2- or 3-core machine);
+        # elsewhere --jobs 2 gives each rank fewer threads than --jobs 1, so allow rounding
+        assert r["final_val_loss"] == pytest.approx(ref["final_val_loss"], rel=1e-4)
+        assert r["bytes_per_step"] == ref["bytes_per_step"]
+    assert not by_key
+
+
+def test_jobs_below_one_is_refused(tmp_path):
+    proc = _sweep(tmp_path / "x.json", "--jobs", "0", timeout=60)
+    assert proc.returncode == 2 and "--jobs must be >= 1" in proc.stderr
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_stopping_the_sweep_stops_every_run_it_started(tmp_path, sig):
+    """Two long runs at once; a signal once both have their ranks: the sweep exits within
+    seconds and no rank of either run is left training."""
+    proc = subprocess.Popen([sys.executable, "-m", "bench.lr_sweep", *PLAN, "--steps", "100000",
+                             "--jobs", "2", "--out", str(tmp_path / "x.json")], cwd=ROOT,
+                            env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        ranks: set[int] = set()
+        while len(ranks) < 4 and time.monotonic() < deadline:  # 2 runs x 2 ranks (smoke W=2)
+            time.sleep(0.5)
+            ranks = {k for k in _children(proc.pid) if "spawn_main" in _cmdline(k)}
+        assert len(ranks) >= 4, f"the ranks did not start: {ranks}"
+        time.sleep(3.0)  # training
+        assert proc.poll() is None
+        proc.send_signal(sig)
+        out, _ = proc.communicate(timeout=60)
+        assert proc.returncode != 0, out[-2000:]
+        gone = time.monotonic() + 10
+        while any(_alive(k) for k in ranks) and time.monotonic() < gone:
+            time.sleep(0.2)
+        assert not [k for k in ranks if _alive(k)], out[-2000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
