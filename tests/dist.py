@@ -11,7 +11,7 @@ outer deadline so that a hang is a test failure, never a stuck CI.
 ``TimeoutError`` (after killing every process) when the deadline passes. Tests that expect a
 rank to die or raise use ``run_ranks_outcomes``, which returns what happened on each rank.
 Tests that launch a launcher (torchrun, ``python -m bench.runner``) find its workers with
-``descendants``.
+``descendants`` (its spawned ranks: ``spawned_ranks``) and ask ``running`` whether each is left.
 """
 
 from __future__ import annotations
@@ -44,6 +44,30 @@ def descendants(pid: int) -> list[int]:
         found += kids
         todo += kids
     return found
+
+
+def spawned_ranks(pid: int) -> list[int]:
+    """The ``multiprocessing`` spawn children below ``pid`` (``bench.runner``'s ranks), not
+    multiprocessing's resource tracker."""
+    out = []
+    for child in descendants(pid):
+        try:
+            with open(f"/proc/{child}/cmdline", "rb") as f:
+                cmd = f.read()
+        except OSError:
+            continue
+        if b"spawn_main" in cmd and b"resource_tracker" not in cmd:
+            out.append(child)
+    return out
+
+
+def running(pid: int) -> bool:
+    """Whether ``pid`` is a live process (neither gone nor a zombie)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 @dataclasses.dataclass

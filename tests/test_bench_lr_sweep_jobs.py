@@ -11,6 +11,7 @@ import sys
 import time
 
 import pytest
+from dist import running, spawned_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = dict(os.environ, PYTHONPATH=ROOT)
@@ -21,37 +22,6 @@ def _sweep(out, *extra: str, timeout: float = 240) -> subprocess.CompletedProces
     return subprocess.run([sys.executable, "-m", "bench.lr_sweep", *PLAN, "--out", str(out),
                            *extra], cwd=ROOT, env=ENV, timeout=timeout, capture_output=True,
                           text=True)
-
-
-def _children(pid: int) -> set[int]:
-    """The live processes whose parent is ``pid`` (from /proc)."""
-    kids = set()
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:  # gone meanwhile
-                continue
-            if int(fields[1]) == pid and fields[0] != "Z":
-                kids.add(int(entry))
-    return kids
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/cmdline") as f:
-            return f.read()
-    except OSError:
-        return ""
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 @pytest.mark.timeout(600)
@@ -85,26 +55,31 @@ def test_jobs_below_one_is_refused(tmp_path):
 def test_stopping_the_sweep_stops_every_run_it_started(tmp_path, sig):
     """Two long runs at once; a signal once both have their ranks: the sweep exits within
     seconds and no rank of either run is left training."""
-    proc = subprocess.Popen([sys.executable, "-m", "bench.lr_sweep", *PLAN, "--steps", "100000",
-                             "--jobs", "2", "--out", str(tmp_path / "x.json")], cwd=ROOT,
-                            env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    log = tmp_path / "log"  # a file, not a pipe: orphaned ranks would hold a pipe open
+    with open(log, "wb") as f:
+        proc = subprocess.Popen([sys.executable, "-m", "bench.lr_sweep", *PLAN, "--steps",
+                                 "100000", "--jobs", "2", "--out", str(tmp_path / "x.json")],
+                                cwd=ROOT, env=ENV, stdout=f, stderr=subprocess.STDOUT)
+    ranks: set[int] = set()
     try:
         deadline = time.monotonic() + 120
-        ranks: set[int] = set()
         while len(ranks) < 4 and time.monotonic() < deadline:  # 2 runs x 2 ranks (smoke W=2)
             time.sleep(0.5)
-            ranks = {k for k in _children(proc.pid) if "spawn_main" in _cmdline(k)}
+            ranks = set(spawned_ranks(proc.pid))
         assert len(ranks) >= 4, f"the ranks did not start: {ranks}"
         time.sleep(3.0)  # training
         assert proc.poll() is None
         proc.send_signal(sig)
-        out, _ = proc.communicate(timeout=60)
-        assert proc.returncode != 0, out[-2000:]
+        code = proc.wait(timeout=60)
+        assert code != 0, log.read_text()[-2000:]
         gone = time.monotonic() + 10
-        while any(_alive(k) for k in ranks) and time.monotonic() < gone:
+        while any(map(running, ranks)) and time.monotonic() < gone:
             time.sleep(0.2)
-        assert not [k for k in ranks if _alive(k)], out[-2000:]
+        assert not [k for k in ranks if running(k)], log.read_text()[-2000:]
     finally:
         if proc.poll() is None:
             proc.kill()
-            proc.communicate()
+            proc.wait()
+        for k in ranks:  # a failed run of this test leaves no rank behind either
+            if running(k):
+                os.kill(k, signal.SIGKILL)

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from dist import descendants
+from dist import running, spawned_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = {"optimizer": "adams", "model": "tiny", "world": 2, "steps": 100000, "batch": 2,
@@ -22,26 +22,6 @@ CONFIG = {"optimizer": "adams", "model": "tiny", "world": 2, "steps": 100000, "b
           "timeout_s": 600}
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux /proc")
-
-
-def _ranks(pid: int) -> list[int]:
-    """The spawned ranks below ``pid`` (not multiprocessing's resource tracker)."""
-    out = []
-    for child in descendants(pid):
-        try:
-            cmd = Path(f"/proc/{child}/cmdline").read_bytes()
-        except OSError:
-            continue
-        if b"spawn_main" in cmd and b"resource_tracker" not in cmd:
-            out.append(child)
-    return out
-
-
-def _running(pid: int) -> bool:
-    try:
-        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "sigkill"])
@@ -59,14 +39,14 @@ def test_signal_ends_every_rank(tmp_path, sig):
             assert driver.poll() is None, log.read_text()[-2000:]
             assert time.monotonic() < deadline, "the ranks never started"
             time.sleep(0.2)
-            ranks = _ranks(driver.pid)
-        ranks = [r for r in ranks if _running(r)]
+            ranks = spawned_ranks(driver.pid)
+        ranks = [r for r in ranks if running(r)]
         driver.send_signal(sig)
         code = driver.wait(timeout=60)
         deadline = time.monotonic() + 30
-        while any(map(_running, ranks)) and time.monotonic() < deadline:
+        while any(map(running, ranks)) and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert not any(map(_running, ranks)), f"ranks {ranks} still run after the driver ended"
+        assert not any(map(running, ranks)), f"ranks {ranks} still run after the driver ended"
         want = 128 + sig if sig == signal.SIGTERM else -sig  # SIGKILL: no handler runs
         assert code == want, (code, log.read_text()[-2000:])
     finally:
