@@ -80,9 +80,10 @@ class SCAPE(ShardedOptimizer):
             about 1/80 of a dense step's bytes (README, "Cost").
         update: how a sent coordinate is updated and how masks are chosen: ``"auto"`` (the
             best quality measured at a tuned lr; 16 B of state per shard coordinate),
-            ``"robust"`` (for an lr above the tuned one), ``"sqrt"`` (no extra state, less
-            compute), ``"lazy"`` (the baseline), or a name added with
-            :func:`scape.rules.register` (:mod:`scape.rules` says what each does).
+            ``"robust"`` (an lr above the tuned one), ``"early"`` (short runs, with
+            ``warmup_steps=1`` and :class:`scape.SparsityRamp`), ``"sqrt"`` (no extra state),
+            ``"lazy"`` (the baseline), or a name added with :func:`scape.rules.register`
+            (:mod:`scape.rules` says what each does).
         block_size: coordinates per mask block (power of two in [256, 32768]); each block
             sends ``max(1, round((1 - sparsity) * block_size))`` coordinates per step.
         warmup_steps: dense steps at the start (they build the statistics the masks read).
@@ -365,6 +366,7 @@ class SCAPE(ShardedOptimizer):
         values = torch.empty(rows.numel(), dtype=b.dtype, device=b.device)
         assert self.rule is not None
         with phase("scape/update", b.device):
+            self.shards[i].saw_lr(hp["lr"])
             self.rule.update(self.shards[i], g, rows, self.block_size, hp, values)
         if self.shards[i].age_at_mask is not None:
             raise RuntimeError(f"rule {self.update!r}: its observe_select advanced the ages but "
@@ -423,6 +425,12 @@ class SCAPE(ShardedOptimizer):
             mask_state.next, mask_state.local = full, idx
 
     # ------------------------------------------------------------------ state
+    def _counters(self) -> dict[str, Any]:
+        return rules.lr_counters(self.shards, [b.group for b in self.buckets])
+
+    def _load_counters(self, counters: dict[str, Any]) -> None:
+        rules.load_lr_counters(self.shards, [b.group for b in self.buckets], counters)
+
     def _mask_tensors(self) -> list[dict[str, torch.Tensor | None]]:
         self.finish_param_sync()
         for m in self.masks:

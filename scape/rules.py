@@ -9,6 +9,10 @@ A rule is a :class:`Rule`. ``update=`` of :class:`scape.SCAPE` names one in :dat
             half its block's RMS (16 B/coordinate)
 ``robust``  the same masks, the catch-up bounded at a quarter of the block's RMS: holds up
             better when the lr is above the one tuned for dense AdamS
+``early``   masks by the fresh gain at every sparsity, the owner's EMAs at 0.95 while the
+            lr rises and 0.98 after (:attr:`ShardState.lr_rose`), the catch-up bounded at
+            1/8 of the block's RMS up to sparsity 0.974 and 1/2 above: short runs, with
+            one dense step and a sparsity ramp (16 B/coordinate)
 ``sqrt``    masks by accumulated mass ``|m| (age + 1)``, a sent coordinate moves
             ``sqrt(age + 1)`` steps (:func:`catchup_sqrt`): no extra state, less compute
 ``lazy``    the baseline (DESIGN §1): a sent coordinate takes one AdamS step, the rest wait
@@ -81,6 +85,16 @@ class ShardState:
     age_at_mask: torch.Tensor | None = dataclasses.field(default=None, repr=False)
     """Within a step whose ages ``observe_select`` advanced already: the ages its mask's
     entries had before (int32, compact), for the update; None otherwise."""
+    lr_peak: float = 0.0
+    """The largest lr a sparse update of this shard has taken (0 before the first)."""
+    lr_rose: bool = True
+    """Whether the last sparse update's lr was above every earlier one's (the lr's warm-up;
+    True before the first). The optimizer keeps both (:meth:`saw_lr`, before ``update``) and
+    saves them per param group with its counters (:func:`lr_counters`)."""
+
+    def saw_lr(self, lr: float) -> None:
+        """A sparse update at ``lr``: :attr:`lr_rose` and :attr:`lr_peak` follow it."""
+        self.lr_rose, self.lr_peak = lr > self.lr_peak, max(self.lr_peak, lr)
 
     def buffer(self, name: str) -> torch.Tensor:
         """The fp32 shard-sized buffer ``work[name]``, allocated on first use."""
@@ -152,6 +166,26 @@ class Rule:
         if not isinstance(self.error_feedback, bool):
             raise TypeError("Invalid Rule.error_feedback: expected a bool, got "
                             f"{type(self.error_feedback).__name__}")
+
+
+def lr_counters(shards: list[ShardState], groups: list[int]) -> dict[str, dict[int, Any]]:
+    """:attr:`ShardState.lr_peak` and :attr:`~ShardState.lr_rose` per param group (the
+    shards of a group see the same lrs; ``groups[i]`` is shard ``i``'s), for checkpoints."""
+    peak: dict[int, Any] = {}
+    rose: dict[int, Any] = {}
+    for s, g in zip(shards, groups):
+        peak.setdefault(g, s.lr_peak)
+        rose.setdefault(g, int(s.lr_rose))
+    return {"lr_peak": peak, "lr_rose": rose}
+
+
+def load_lr_counters(shards: list[ShardState], groups: list[int],
+                     counters: dict[str, Any]) -> None:
+    """Restore what :func:`lr_counters` saved; a group a checkpoint lacks starts as at
+    construction."""
+    peak, rose = counters.get("lr_peak", {}), counters.get("lr_rose", {})
+    for s, g in zip(shards, groups):
+        s.lr_peak, s.lr_rose = float(peak.get(g, 0.0)), bool(rose.get(g, 1))
 
 
 def accumulated_score(shard: ShardState) -> torch.Tensor:
@@ -330,11 +364,44 @@ def gain_selected(update: UpdateFn, score: ScoreFn = gain_score_residual, **kw: 
                 reset=reset_local_noise, score_reads_hp=True, **kw)
 
 
+EARLY_BETA = 0.98
+"""``early``'s factor of the owner's EMAs once the lr stops rising (:data:`NOISE_BETA`, the
+other rules' 0.95, while it rises): about 99 steps, a steadier mean after the warm-up."""
+EARLY_TRUST = (0.125, 0.5)
+"""``early``'s catch-up bound, in its block's RMS: where a mask would read the wait
+(:func:`reads_wait`, sparsity up to 0.974), and above."""
+
+
+def _early_beta(shard: ShardState) -> float:
+    return NOISE_BETA if shard.lr_rose else EARLY_BETA
+
+
+def _early_observe(shard: ShardState, buf: torch.Tensor, error_feedback: bool) -> None:
+    observe_local_moments(shard, buf, error_feedback, beta=_early_beta(shard))
+
+
+def _early_update(shard: ShardState, g: torch.Tensor, idx: torch.Tensor, block_size: int,
+                  hp: dict, model_out: torch.Tensor) -> None:
+    trust = EARLY_TRUST[0] if reads_wait(idx.shape[-1], block_size) else EARLY_TRUST[1]
+    catchup_agree(shard, g, idx, block_size, hp, model_out, trust=trust)
+
+
+def _early_score(shard: ShardState, hp: dict) -> torch.Tensor:
+    return gain_score(shard, hp, beta=_early_beta(shard))
+
+
+def _early_select(shard: ShardState, hp: dict, k: int, k_explore: int,
+                  block_size: int) -> torch.Tensor:
+    return gain_select(shard, hp, k, k_explore, block_size, beta=_early_beta(shard))
+
+
 RULES: dict[str, Rule] = {
     "auto": gain_selected(functools.partial(catchup_agree, trust=0.5), gain_score_auto,
                           observe_select=observe_select_gain),
     "robust": gain_selected(functools.partial(catchup_agree, trust=0.25), gain_score_auto,
                             observe_select=observe_select_gain),
+    "early": dataclasses.replace(gain_selected(_early_update, _early_score,
+                                               select=_early_select), observe=_early_observe),
     "sqrt": Rule(catchup_sqrt, accumulated_score),
     "lazy": Rule(lazy),
 }

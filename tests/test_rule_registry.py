@@ -40,7 +40,7 @@ def test_constructor_surface():
 
 
 def test_builtin_rules():
-    assert rules.BUILTIN == ("auto", "robust", "sqrt", "lazy")
+    assert rules.BUILTIN == ("auto", "robust", "early", "sqrt", "lazy")
     for name in rules.BUILTIN:
         p, opt = _opt(name)
         assert opt.rule is rules.RULES[name] and opt.update == name
@@ -50,6 +50,7 @@ def test_builtin_rules():
         assert not opt.last_step.dense and bool(torch.isfinite(p).all())
         assert not torch.equal(p.detach(), before)
     assert rules.RULES["auto"].extra == rules.GAIN_STATE  # 16 B per coordinate
+    assert rules.RULES["early"].extra == rules.GAIN_STATE
     assert rules.RULES["sqrt"].extra == () and rules.RULES["lazy"].extra == ()
 
 
