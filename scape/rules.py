@@ -395,13 +395,33 @@ def _early_select(shard: ShardState, hp: dict, k: int, k_explore: int,
     return gain_select(shard, hp, k, k_explore, block_size, beta=_early_beta(shard))
 
 
+def _early_observe_select(shard: ShardState, buf: torch.Tensor, error_feedback: bool,
+                          hp: dict, cur: torch.Tensor, k: int, k_explore: int,
+                          block_size: int) -> torch.Tensor:
+    """``early``'s observation, ages and mask in one pass (:func:`observe_select_gain`). The
+    EMAs observe at the factor the last update saw; the mask is the one this step's update
+    will see (its lr above the peak or not): where the two differ (the step after the lr
+    stops rising) the mask is taken again at the second, bit for bit the three passes."""
+    ex, observed = shard.extra, _early_beta(shard)
+    idx, shard.age_at_mask = noise_gain_topk_(
+        buf, ex["prev"], shard.age, ex["s2"], ex["s2w"], ex["mu"], cur, k, block_size,
+        k_explore=k_explore, beta=observed, beta1=hp["beta1"], world=hp.get("world", 1),
+        error_feedback=error_feedback, residual=False, out=shard.buffer("score"))
+    selected = NOISE_BETA if hp["lr"] > shard.lr_peak else EARLY_BETA
+    if selected != observed:
+        idx = gain_select(shard, hp, k, k_explore, block_size, beta=selected)
+    return idx
+
+
 RULES: dict[str, Rule] = {
     "auto": gain_selected(functools.partial(catchup_agree, trust=0.5), gain_score_auto,
                           observe_select=observe_select_gain),
     "robust": gain_selected(functools.partial(catchup_agree, trust=0.25), gain_score_auto,
                             observe_select=observe_select_gain),
     "early": dataclasses.replace(gain_selected(_early_update, _early_score,
-                                               select=_early_select), observe=_early_observe),
+                                               select=_early_select,
+                                               observe_select=_early_observe_select),
+                                 observe=_early_observe),
     "sqrt": Rule(catchup_sqrt, accumulated_score),
     "lazy": Rule(lazy),
 }
