@@ -52,7 +52,6 @@ class Workload:
 
 
 ONE_PROCESS_ROWS = (
-    ("ramp", "sparsity-ramp", "bench.runner has no sparsity schedule"),
     ("trust_lr", "scheduled-bound", "bench.runner has no rule schedule"),
     ("allot", "automatic-split", "bench.runner has no sparsity schedule"),
     ("transform", "transform-domain", "bench.research.rotate is not wired into bench.runner"),
@@ -62,7 +61,10 @@ ONE_PROCESS_ROWS = (
 
 def run_config(variant: dict[str, Any], w: Workload, world: int) -> RunConfig:
     """The same run as :func:`train` for :mod:`bench.runner` on ``world`` ranks (a local-step
-    variant, ``optimizer`` in ``LOCAL_SGD``, is evaluated at multiples of its ``H``)."""
+    variant, ``optimizer`` in ``LOCAL_SGD``, is evaluated at multiples of its ``H``). A
+    ``-ramp`` row takes the runner's ramp (``RunConfig.sparsity_ramp``: sparse step ``j``
+    sends the mask made at ``ramp(j)``, as :class:`scape.SparsityRamp`), one step ahead of
+    :func:`train`'s loop, whose sparse step ``j`` sends ``ramp(j - 1)``."""
     if w.batch % world:
         raise ValueError(f"the global batch of {w.batch} sequences does not split over "
                          f"{world} ranks; pick a world size that divides it")
@@ -77,8 +79,10 @@ def run_config(variant: dict[str, Any], w: Workload, world: int) -> RunConfig:
         eval_every = max(h, w.eval_every // h * h)
     else:
         kind = "scape" if sparsity > 0 else "adams"
+    ramp = variant.get("ramp")
     return RunConfig(optimizer=kind, sparsity=sparsity, optimizer_kwargs=kw,
                      group_sparsity=variant.get("group_sparsity"),
+                     sparsity_ramp=(ramp[0], round(ramp[1] * w.steps)) if ramp else None,
                      model=w.model, world=world, steps=w.steps, batch=w.batch // world,
                      grad_accum=w.accum, seq=w.seq, lr=variant["lr"],
                      warmup_frac=w.warmup_frac, weight_decay=w.weight_decay, seed=w.seed,

@@ -307,8 +307,8 @@ def test_lr_stability_table(capsys):
 
 def test_convergence_ramp_rows():
     """A ``-ramp`` row changes every sparse group's sparsity per step: it sends more bytes per
-    sparse step than the same row without it, the same once the ramp is over, and refuses
-    the multi-rank runner (which has no schedule)."""
+    sparse step than the same row without it, the same once the ramp is over; on ranks it is
+    the runner's ramp over the same share of the run."""
     from bench.convergence import Workload, run_config, train
     from bench.data import load_corpus
     from bench.research.rows import variants
@@ -323,8 +323,10 @@ def test_convergence_ramp_rows():
     assert ramp["bytes_per_sparse_step"] > 2 * plain["bytes_per_sparse_step"]
     assert ramp["bytes_last_step"] == plain["bytes_last_step"]
     assert plain["bytes_per_step"] > plain["bytes_per_sparse_step"]  # dense warm-up steps
-    with pytest.raises(ValueError, match="one process"):
-        run_config(dict(base, ramp=(0.5, 0.5)), w, 2)
+    assert run_config(dict(base, ramp=(0.5, 0.5)), w, 2).sparsity_ramp == (0.5, 6)
+    assert run_config(base, w, 2).sparsity_ramp is None
+    (early,) = variants([0.99], ["early-ramp0.5x0.01"])
+    assert (early["update"], early["ramp"]) == ("early", (0.5, 0.01))
     (head,) = variants([0.99], ["catchup_agree_trust2_accum-head0.9"])
     assert head["group_sparsity"] == {"head": 0.9}
     (both,) = variants([0.99], ["catchup_agree_trust2_accum-tokhead0.9"])

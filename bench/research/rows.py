@@ -54,6 +54,9 @@ RAMPS = ((0.9, 0.1), (0.9, 0.2), (0.95, 0.2), (0.9, 0.4))
 """``-ramp<s0>x<f>``: a sparsity warm-up (:func:`scape.sparsity_ramp`) of every sparse group
 from ``s0`` to its own sparsity (a group already at or below ``s0`` stays there) over the
 first ``f * steps`` sparse steps, density falling geometrically."""
+EARLY_RAMP = (0.5, 0.01)
+"""``early-ramp0.5x0.01``: ``update="early"`` behind one dense step (``--warmup 1``) and a
+ramp from 0.5 over 1% of the run (20 steps of 2,000), as the newcomer workloads ran it."""
 SHORT_RAMPS = ((0.5, 0.02), (0.7, 0.02))
 """Hypothesis 13: a short ramp from a low sparsity in place of most dense warm-up steps (run
 with ``--warmup 2``), on the embedding split (``<rule>-embed<e>-ramp<s0>x<f>``)."""
@@ -197,6 +200,9 @@ def variants(sparsities: list[float], names: list[str] | None,
             rows += [dict(base, name=f"{rule}-embed{e}-ramp{s0:g}x{frac:g}@{sp}", update=rule,
                           group_sparsity={"embed": e}, ramp=(s0, frac))
                      for e in (0.9, 0.95) for s0, frac in SHORT_RAMPS if s0 < min(e, sp)]
+        s0, frac = EARLY_RAMP
+        rows.append(dict(base, name=f"early-ramp{s0:g}x{frac:g}@{sp}", update="early",
+                         ramp=EARLY_RAMP))
         split_groups = {"embed": sp, "pos": sp}
         for rule in AUTO_RULES:  # hypothesis 16: the split of hypothesis 14, measured
             for power, source in [(p, "m") for p in AUTO_POWERS] + \
