@@ -17,9 +17,9 @@ at the peak to 1/4). The mask: none (``|m|``), ``accum`` (``|m| (age + 1)``), ``
 fresh gain from the EMA), ``gainr`` (the gain with the summed wait); a suffix ``_b<f>`` sets
 the factor of the owner's local EMAs to ``0.<f>`` (``_b98``: 0.98) instead of 0.95, and
 ``_b<f>w`` to it once the lr stops rising (0.95 through the lr's warm-up); ``trust24``: the
-bound 1/2 above sparsity 0.974 and 1/4 up to it (``trust26``: 1/6, ``trust28``: 1/8;
-``trust2cap``: none above ``sqrt(a + 1)`` steps up to it). ``auto_b98w``: ``auto``'s masks
-(the summed wait up to sparsity 0.974) with ``_b98w``'s EMAs.
+bound 1/2 above sparsity 0.974 and 1/4 up to it (``trust26``: 1/6, ``trust28``: 1/8, built
+in as ``early``, bit for bit; ``trust2cap``: none above ``sqrt(a + 1)`` steps up to it).
+``auto_b98w``: ``auto``'s masks (the summed wait up to sparsity 0.974) with ``_b98w``'s EMAs.
 """
 
 from __future__ import annotations
