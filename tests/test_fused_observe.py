@@ -15,6 +15,7 @@ from dist import run_ranks
 import scape
 from scape import rules
 from scape.comm import TorchCommunicator
+from scape.kernels import adams_sparse_
 
 UNFUSED = "auto-in-three-passes"
 rules.register(UNFUSED, dataclasses.replace(rules.RULES["auto"], observe_select=None),
@@ -122,9 +123,9 @@ def test_auto_without_select_masks_by_its_score_alike(sparsity):
 
 def test_update_that_ignores_the_advanced_ages_is_refused():
     def plain_update(shard, g, idx, block_size, hp, model_out):
-        rules.adams_sparse_(shard.master, shard.m, shard.age, g, idx, block_size,
-                            lr=hp["lr"], beta1=hp["beta1"], beta2=hp["beta2"], eps=hp["eps"],
-                            weight_decay=hp["weight_decay"], model_out=model_out)
+        adams_sparse_(shard.master, shard.m, shard.age, g, idx, block_size, lr=hp["lr"],
+                      beta1=hp["beta1"], beta2=hp["beta2"], eps=hp["eps"],
+                      weight_decay=hp["weight_decay"], model_out=model_out)
 
     rules.register("fused-but-plain", dataclasses.replace(rules.RULES["auto"],
                                                           update=plain_update), replace=True)
