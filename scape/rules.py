@@ -320,15 +320,19 @@ def gain_select_auto(shard: ShardState, hp: dict, k: int, k_explore: int,
 
 def observe_select_gain(shard: ShardState, buf: torch.Tensor, error_feedback: bool,
                         hp: dict, cur: torch.Tensor, k: int, k_explore: int,
-                        block_size: int) -> torch.Tensor:
+                        block_size: int, beta: float = NOISE_BETA,
+                        residual: bool | None = None) -> torch.Tensor:
     """:func:`observe_local_moments`, the step's ages (advanced at its mask ``cur``, as the
     catch-up would) and :func:`gain_select_auto` on them in one pass before the take
-    (:func:`scape.kernels.noise_gain_topk_`), bit for bit the three in turn."""
+    (:func:`scape.kernels.noise_gain_topk_`), bit for bit the three in turn. ``beta``: the
+    EMAs' factor; ``residual``: whether the mask reads the summed wait (None:
+    :func:`reads_wait`, as ``auto``'s)."""
     ex = shard.extra
     idx, shard.age_at_mask = noise_gain_topk_(
         buf, ex["prev"], shard.age, ex["s2"], ex["s2w"], ex["mu"], cur, k, block_size,
-        k_explore=k_explore, beta=NOISE_BETA, beta1=hp["beta1"], world=hp.get("world", 1),
-        error_feedback=error_feedback, residual=reads_wait(k, block_size),
+        k_explore=k_explore, beta=beta, beta1=hp["beta1"], world=hp.get("world", 1),
+        error_feedback=error_feedback,
+        residual=reads_wait(k, block_size) if residual is None else residual,
         out=shard.buffer("score"))
     return idx
 
@@ -402,11 +406,9 @@ def _early_observe_select(shard: ShardState, buf: torch.Tensor, error_feedback: 
     EMAs observe at the factor the last update saw; the mask is the one this step's update
     will see (its lr above the peak or not): where the two differ (the step after the lr
     stops rising) the mask is taken again at the second, bit for bit the three passes."""
-    ex, observed = shard.extra, _early_beta(shard)
-    idx, shard.age_at_mask = noise_gain_topk_(
-        buf, ex["prev"], shard.age, ex["s2"], ex["s2w"], ex["mu"], cur, k, block_size,
-        k_explore=k_explore, beta=observed, beta1=hp["beta1"], world=hp.get("world", 1),
-        error_feedback=error_feedback, residual=False, out=shard.buffer("score"))
+    observed = _early_beta(shard)
+    idx = observe_select_gain(shard, buf, error_feedback, hp, cur, k, k_explore, block_size,
+                              beta=observed, residual=False)
     selected = NOISE_BETA if hp["lr"] > shard.lr_peak else EARLY_BETA
     if selected != observed:
         idx = gain_select(shard, hp, k, k_explore, block_size, beta=selected)
