@@ -29,9 +29,9 @@ def _build(update: str, sparsity: float, lr: float) -> tuple[scape.SCAPE, list]:
     return opt, [p, q]
 
 
-def _steps(opt: scape.SCAPE, params: list, lrs: list[float], seed: int) -> list:
+def _steps(opt: scape.SCAPE, params: list, lrs: list[float], g: torch.Generator) -> list:
+    """One step at each lr of ``lrs``, gradients drawn from ``g``; every step's next mask."""
     p, q = params
-    g = torch.Generator().manual_seed(seed)
     masks = []
     for lr in lrs:
         opt.param_groups[0]["lr"] = lr
@@ -52,7 +52,7 @@ def _state(opt: scape.SCAPE, params: list, masks: list) -> dict:
 
 def _run(update: str, lrs: list[float], sparsity: float) -> dict:
     opt, params = _build(update, sparsity, lrs[0])
-    return _state(opt, params, _steps(opt, params, lrs, seed=11))
+    return _state(opt, params, _steps(opt, params, lrs, torch.Generator().manual_seed(11)))
 
 
 def _same(a: dict, b: dict) -> bool:
@@ -108,8 +108,9 @@ def test_the_factor_follows_the_lr():
 
 def _resumed(how: str, at: int, tmp_path) -> dict:
     """``RISE_FALL`` with the optimizer rebuilt from a save after step ``at``."""
+    g = torch.Generator().manual_seed(11)
     opt, params = _build("early", 0.97, RISE_FALL[0])
-    masks = _steps(opt, params, RISE_FALL[:at], seed=11)
+    masks = _steps(opt, params, RISE_FALL[:at], g)
     if how == "state_dict":
         saved = copy.deepcopy(opt.state_dict())
     else:
@@ -122,18 +123,7 @@ def _resumed(how: str, at: int, tmp_path) -> dict:
         opt.load_state_dict(saved)
     else:
         assert scape.load_checkpoint(opt, path) == at
-    # the rest of the gradients: the same generator, advanced past the first ``at`` steps
-    g = torch.Generator().manual_seed(11)
-    for _ in range(at):
-        torch.randn(4096, generator=g), torch.randn(33, 31, generator=g)
-    p, q = params
-    for lr in RISE_FALL[at:]:
-        opt.param_groups[0]["lr"] = lr
-        p.grad = torch.randn(4096, generator=g) * 0.1 + 0.05 * torch.sign(p.detach())
-        q.grad = torch.randn(33, 31, generator=g)
-        opt.step()
-        m = opt.masks[0]
-        masks.append(None if m.next is None else m.wait().clone())
+    masks += _steps(opt, params, RISE_FALL[at:], g)  # the same generator, carried on
     return _state(opt, params, masks)
 
 
@@ -144,7 +134,7 @@ def test_a_resumed_run_keeps_the_lr_state(how, tmp_path, monkeypatch):
     for a step, and that run differs (the check can fail)."""
     whole = _run("early", RISE_FALL, 0.97)
     opt, params = _build("early", 0.97, RISE_FALL[0])
-    _steps(opt, params, RISE_FALL[:8], seed=11)
+    _steps(opt, params, RISE_FALL[:8], torch.Generator().manual_seed(11))
     counters = opt._counters()
     assert counters["lr_peak"][0] == max(RISE_FALL[:8]) and counters["lr_rose"][0] == 0
     assert _same(whole, _resumed(how, 8, tmp_path / "a"))
@@ -157,11 +147,11 @@ def test_a_state_dict_without_the_lr_state_loads_as_at_construction():
     whose shards have seen a peak: they start as a new optimizer's, no peak and the lr taken
     as rising; the rest of the state loads as saved."""
     opt, params = _build("early", 0.97, 1e-3)
-    _steps(opt, params, [1e-3, 2e-3, 3e-3, 2e-3], seed=11)
+    _steps(opt, params, [1e-3, 2e-3, 3e-3, 2e-3], torch.Generator().manual_seed(11))
     saved = copy.deepcopy(opt.state_dict())
     saved["param_groups"][0]["scape"]["counters"] = {}
     other, other_params = _build("early", 0.97, 1e-3)
-    _steps(other, other_params, [5e-3] * 4, seed=12)
+    _steps(other, other_params, [5e-3] * 4, torch.Generator().manual_seed(12))
     assert all(s.lr_peak == 5e-3 and not s.lr_rose for s in other.shards)
     other.load_state_dict(saved)
     assert all(s.lr_peak == 0.0 and s.lr_rose for s in other.shards)
