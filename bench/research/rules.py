@@ -20,6 +20,8 @@ the factor of the owner's local EMAs to ``0.<f>`` (``_b98``: 0.98) instead of 0.
 bound 1/2 above sparsity 0.974 and 1/4 up to it (``trust26``: 1/6, ``trust28``: 1/8, built
 in as ``early``, bit for bit; ``trust2cap``: none above ``sqrt(a + 1)`` steps up to it).
 ``auto_b98w``: ``auto``'s masks (the summed wait up to sparsity 0.974) with ``_b98w``'s EMAs.
+``early_decay``: ``early`` with its bound widened as the lr falls from its peak (up to one block
+RMS; :func:`early_decay_update`).
 """
 
 from __future__ import annotations
@@ -144,6 +146,24 @@ class BetaAfterLrWarmup:
                                    observe=self.observe)
 
 
+TRUST_DECAY_CAP = 1.0
+"""``early_decay``: the largest bound, in its block's RMS, the lr's decay widens it to."""
+
+
+def early_decay_update(shard: ShardState, g: torch.Tensor, idx: torch.Tensor, block_size: int,
+                       hp: dict, model_out: torch.Tensor) -> None:
+    """``early``'s catch-up with its bound widened as the lr falls from its peak: ``c =
+    min(TRUST_DECAY_CAP, c_early * lr_peak / lr)`` (``c_early`` of :data:`scape.rules.
+    EARLY_TRUST`; the shard's :attr:`~scape.rules.ShardState.lr_peak`, set before the update
+    and checkpointed). At the peak, and at any flat lr, it is ``early``; as the cosine falls
+    the bound in steps, ``c * rms_b / lr``, grows as ``1 / lr^2`` instead of ``1 / lr``."""
+    wide = rules.reads_wait(idx.shape[-1], block_size)
+    base = rules.EARLY_TRUST[0] if wide else rules.EARLY_TRUST[1]
+    lr, peak = hp["lr"], shard.lr_peak
+    trust = min(max(base, TRUST_DECAY_CAP), base * peak / lr) if 0.0 < lr < peak else base
+    catchup_agree(shard, g, idx, block_size, hp, model_out, trust=trust)
+
+
 RESEARCH_RULES: dict[str, Rule] = {
     "lazy_accum": Rule(lazy, accumulated_score),
     "catchup_mean": Rule(catchup_mean),
@@ -179,6 +199,7 @@ RESEARCH_RULES: dict[str, Rule] = {
     "catchup_agree_trust26_gain_b98w": BetaAfterLrWarmup(0.5, 0.98, trust_dense=1 / 6).rule(),
     "catchup_agree_trust28_gain_b98w": BetaAfterLrWarmup(0.5, 0.98, trust_dense=0.125).rule(),
     "catchup_agree_trust2cap_gain_b98w": BetaAfterLrWarmup(0.5, 0.98, trust_dense=0.0).rule(),
+    "early_decay": dataclasses.replace(RULES["early"], update=early_decay_update),
     # the default with its pass before the take split into the three ops (observe, then the
     # catch-up's own ages, then select): the same steps bit for bit, the check of the fusion
     "auto_three_passes": dataclasses.replace(RULES["auto"], observe_select=None),
