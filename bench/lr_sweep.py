@@ -27,7 +27,8 @@ top-k, :mod:`bench.topk_baseline`); ``scape-<s>@<rule>`` trains SCAPE with ``upd
 built-in or research rule name (:mod:`bench.research.rules`); ``scape-<s>-embed<e>-head<h>``
 (either suffix alone too) puts the embedding matrices, the untied head, in param groups of
 their own at that sparsity, every group still decayed; ``-ramp<s0>x<n>`` (after those) ramps
-the sparsity from ``s0`` over the first ``n`` sparse steps (:func:`scape.sparsity_ramp`). The
+the sparsity from ``s0`` over the first ``n`` sparse steps (:func:`scape.sparsity_ramp`);
+``-follow<q>`` (last) makes the density after it follow ``(lr / peak)^q`` at the same mean. The
 JSON (schema ``scape.lr_sweep/1``) is rewritten after every run; ``--resume`` keeps the runs of
 an earlier file with the same settings. ``--jobs N`` trains N runs at once, each rank on
 ``cpu_count // (N * W)`` threads (at least one): on a 2-core machine it gains nothing; on 16
@@ -107,6 +108,9 @@ class Row(NamedTuple):
     """Per-group sparsity (None: one group at ``sparsity``)."""
     ramp: tuple[float, int] | None
     """``(start, ramp_steps)`` of a sparsity ramp after the dense warm-up (None: none)."""
+    follow: float | None = None
+    """``-follow<q>``: the density follows ``(lr / peak)^q`` after the ramp, at the same mean
+    (:attr:`bench.runner.RunConfig.sparsity_follows_lr`; None: not)."""
 
 
 def parse_row(optimizer: str) -> Row:
@@ -118,10 +122,15 @@ def parse_row(optimizer: str) -> Row:
     base, at, rule = optimizer.partition("@")
     parts = base.split("-")
     groups: dict[str, float] = {}
-    ramp = None
-    while len(parts) > 2 and parts[-1].startswith((*GROUP_SUFFIXES, "ramp")):
+    ramp, follow = None, None
+    while len(parts) > 2 and parts[-1].startswith((*GROUP_SUFFIXES, "ramp", "follow")):
         part = parts.pop()
         try:
+            if part.startswith("follow"):
+                follow = float(part[len("follow"):])
+                if not 0.0 < follow <= 4.0:
+                    raise ValueError("the power must be in (0, 4]")
+                continue
             if part.startswith("ramp"):
                 start, _, steps = part[len("ramp"):].partition("x")
                 ramp = (float(start), int(steps))
@@ -133,26 +142,26 @@ def parse_row(optimizer: str) -> Row:
         except ValueError as e:
             raise ValueError(f"--optimizers: {optimizer!r}: bad {part!r}: {e}") from None
     opt, sparsity = parse_name("-".join(parts))
-    if (at or groups or ramp) and opt != "scape":
-        raise ValueError(f"--optimizers: {optimizer!r}: '@<rule>', '-<group><s>' and '-ramp' "
-                         "apply to scape rows only")
+    if (at or groups or ramp or follow) and opt != "scape":
+        raise ValueError(f"--optimizers: {optimizer!r}: '@<rule>', '-<group><s>', '-ramp' and "
+                         "'-follow' apply to scape rows only")
     if at:
         try:
             check_rule(rule)
         except ValueError as e:
             raise ValueError(f"--optimizers: {optimizer!r}: {e}") from None
-    return Row(opt, sparsity, rule if at else None, groups or None, ramp)
+    return Row(opt, sparsity, rule if at else None, groups or None, ramp, follow)
 
 
 def make_config(workload: dict[str, Any], common: dict[str, Any], optimizer: str, steps: int,
                 lr: float, seed: int, name: str, timeout_s: float) -> RunConfig:
-    opt, sparsity, rule, groups, ramp = parse_row(optimizer)
+    opt, sparsity, rule, groups, ramp, follow = parse_row(optimizer)
     kwargs: dict[str, Any] = {} if common["warmup_steps"] is None or opt == "adams" else \
         {"warmup_steps": common["warmup_steps"]}
     if rule is not None:
         kwargs["update"] = rule
     return RunConfig(optimizer=opt, sparsity=sparsity, optimizer_kwargs=kwargs,
-                     group_sparsity=groups, sparsity_ramp=ramp,
+                     group_sparsity=groups, sparsity_ramp=ramp, sparsity_follows_lr=follow,
                      model=workload["model"], data=workload["data"], world=common["world"],
                      steps=steps, batch=common["batch"], seq=common["seq"], lr=lr,
                      weight_decay=common["weight_decay"], one_group=common["one_group"],

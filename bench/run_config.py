@@ -48,6 +48,11 @@ class RunConfig:
     (:func:`scape.sparsity_ramp`, written into the groups before each step as the lr is: the
     ``j``-th sparse step, from 0, sends the mask made at ``sparsity_ramp(j)``); None: no ramp.
     SCAPE rows only."""
+    sparsity_follows_lr: float | None = None
+    """A power ``q``: after the ramp (or the dense warm-up) a sparse group's density
+    ``1 - sparsity`` follows ``(lr / peak)^q``, scaled so its mean over those steps is the
+    group's own (:func:`follow_density`): more sent while the lr is high, the same bytes in
+    all. None: the group's sparsity throughout. SCAPE rows only."""
     model: str = "small"
     """:mod:`bench.gpt` preset (``tiny``, ``small``, ``base``) or :mod:`bench.llama` preset."""
     world: int = 4
@@ -123,6 +128,14 @@ class RunConfig:
             start, ramp_steps = self.sparsity_ramp
             self.sparsity_ramp = (float(start), int(ramp_steps))
             sparsity_ramp(0, start=start, end=self.sparsity, ramp_steps=ramp_steps)  # its checks
+        if self.sparsity_follows_lr is not None:
+            q = self.sparsity_follows_lr
+            if self.optimizer != "scape":
+                raise ValueError(f"RunConfig.sparsity_follows_lr applies to scape rows, not "
+                                 f"{self.optimizer!r}")
+            if isinstance(q, bool) or not isinstance(q, (int, float)) or not 0.0 < q <= 4.0:
+                raise ValueError(f"RunConfig.sparsity_follows_lr must be a power in (0, 4], "
+                                 f"got {q!r}")
         if entry.needs_sparsity and self.sparsity == 0.0:
             raise ValueError(f"RunConfig.sparsity must be > 0 for optimizer "
                              f"{self.optimizer!r} (use 'adams' for dense), got 0.0")
@@ -221,6 +234,26 @@ def lr_at(step: int, cfg: RunConfig) -> float:
     t = (step - warm) / max(1, cfg.steps - warm)
     return cfg.lr * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * t)))
 
+
+def follow_mean(cfg: RunConfig) -> float:
+    """The mean of ``(lr / peak)^q`` over the steps after the ramp (:func:`follow_density`)."""
+    q, ramp = cfg.sparsity_follows_lr or 1.0, (cfg.sparsity_ramp or (0.0, 0))[1]
+    weights = [(lr_at(t, cfg) / cfg.lr) ** q for t in range(cfg.warmup_steps + ramp, cfg.steps)]
+    return sum(weights) / max(1, len(weights))
+
+
+def follow_density(step: int, cfg: RunConfig, end: float, mean: float) -> float:
+    """The sparsity a group of sparsity ``end`` makes its mask at, at 0-based ``step``, under
+    :attr:`RunConfig.sparsity_follows_lr` (``q``): the mask is sent at the next step, whose lr
+    weighs the density ``1 - end`` by ``(lr / peak)^q`` over ``mean``, that weight's mean
+    across the steps after the ramp (:func:`follow_mean`). Raises ValueError where a step
+    would turn dense."""
+    q = cfg.sparsity_follows_lr or 1.0
+    d = (1.0 - end) * (lr_at(step + 1, cfg) / cfg.lr) ** q / mean
+    if d >= 1.0:
+        raise ValueError(f"sparsity_follows_lr={q}: density {d:.3g} at step {step + 1} "
+                         f"(sparsity {end})")
+    return 1.0 - d
 
 
 def load_config(text: str) -> RunConfig:

@@ -28,7 +28,7 @@ from bench.llama import make_model
 from bench.nullcomm import NullCommunicator
 from bench.optimizers import OPTIMIZERS, Spec, build
 from bench.prose import load
-from bench.run_config import RunConfig, lr_at
+from bench.run_config import RunConfig, follow_density, follow_mean, lr_at
 from scape import sparsity_ramp
 from scape.comm import HierarchicalCommunicator, TorchCommunicator
 
@@ -159,6 +159,7 @@ def _train(cfg: RunConfig, rank: int, world: int) -> dict[str, Any]:
         else torch.device("cpu")
     model, opt, counter, module = _build(cfg, rank, world, device)
     ends = [g.get("sparsity") for g in opt.param_groups]  # each group's sparsity after a ramp
+    follow = follow_mean(cfg) if cfg.sparsity_follows_lr is not None else 1.0
     seq, global_batch = cfg.seq_len, cfg.batch * world
     prof, prof_steps = None, range(cfg.skip + 1, min(cfg.steps, cfg.skip + 4) + 1)
     records: list[dict[str, Any]] = []
@@ -186,6 +187,9 @@ def _train(cfg: RunConfig, rank: int, world: int) -> dict[str, Any]:
                 # read as this step makes the next one's mask: sparse step j sends ramp(j)
                 g["sparsity"] = sparsity_ramp(step + 1 - cfg.warmup_steps, start=min(start, end),
                                               end=end, ramp_steps=ramp_steps)
+            ramped = cfg.warmup_steps + (cfg.sparsity_ramp or (0.0, 0))[1]
+            if cfg.sparsity_follows_lr is not None and end and step + 1 >= ramped:
+                g["sparsity"] = follow_density(step, cfg, end, follow)
         bytes_before = {op: int(v["bytes"]) for op, v in counter.stats.items()}
         link_before = _link_tx() if cfg.node_netns is not None else 0
         wait_before = counter.wait_s

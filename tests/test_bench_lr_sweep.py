@@ -16,6 +16,7 @@ from bench.llama import PRESETS, Llama, LlamaConfig, apply_rotary, make_model, r
 from bench.lr_sweep import COMMON, WORKLOADS, make_config, parse_row
 from bench.lr_sweep_report import curves, markdown, select_best
 from bench.prose import NAME, chunks, load, load_prose, paragraphs, split
+from bench.runner import RunConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -236,9 +237,9 @@ def test_a_rule_suffix_reaches_scape_rows_and_bad_ones_are_refused():
                       600, 3e-4, 0, "x", 60.0)
     assert (cfg.optimizer, cfg.sparsity) == ("scape", 0.9)
     assert cfg.optimizer_kwargs == {"warmup_steps": 2, "update": "catchup_agree_trust2_accum"}
-    assert parse_row("scape-0.99") == ("scape", 0.99, None, None, None)
+    assert parse_row("scape-0.99") == ("scape", 0.99, None, None, None, None)
     assert parse_row("scape-0.99@robust-explore0.2") == ("scape", 0.99, "robust-explore0.2",
-                                                          None, None)
+                                                          None, None, None)
     with pytest.raises(ValueError, match="unknown rule 'nope'.*auto"):
         parse_row("scape-0.99@nope")
     with pytest.raises(ValueError, match="scape rows only"):
@@ -253,7 +254,7 @@ def test_group_suffixes_split_the_one_group_and_keep_its_decay():
     from bench.run_rank import make_groups
 
     assert parse_row("scape-0.99-embed0.9-head0.97@robust") == \
-        ("scape", 0.99, "robust", {"embed": 0.9, "head": 0.97}, None)
+        ("scape", 0.99, "robust", {"embed": 0.9, "head": 0.97}, None, None)
     cfg = make_config(WORKLOADS["llama"], COMMON, "scape-0.99-embed0.9-head0.97", 600, 3e-4, 0,
                       "x", 60.0)
     assert cfg.group_sparsity == {"embed": 0.9, "head": 0.97} and cfg.one_group
@@ -271,7 +272,9 @@ def test_group_suffixes_split_the_one_group_and_keep_its_decay():
     for bad, match in [("adams-embed0.9", "bad sparsity"), ("scape-0.99-embed1.5", "embed"),
                        ("topk-0.99-head0.9", "scape rows only"),
                        ("scape-0.99-ramp1.5x20", "ramp1.5x20"),
-                       ("scape-0.99-ramp0.5", "ramp0.5"), ("topk-0.99-ramp0.5x2", "scape rows")]:
+                       ("scape-0.99-ramp0.5", "ramp0.5"), ("topk-0.99-ramp0.5x2", "scape rows"),
+                       ("scape-0.99-follow0", "follow0"), ("scape-0.99-followx", "followx"),
+                       ("topk-0.99-follow1", "scape rows")]:
         with pytest.raises(ValueError, match=match):
             parse_row(bad)
 
@@ -295,3 +298,50 @@ def test_a_ramp_row_writes_the_sparsity_before_each_sparse_step(tmp_path):
     assert ramp["bytes_per_step"] == plain["bytes_per_step"]  # after the ramp: the same
     assert ramp["bytes_per_step_mean_all_steps"] > plain["bytes_per_step_mean_all_steps"]
     assert ramp["final_val_loss"] != plain["final_val_loss"]
+
+
+@pytest.mark.parametrize("q", [0.5, 1.0, 2.0])
+def test_a_follow_row_spends_the_same_bytes_while_the_lr_is_high(q):
+    """``-follow<q>`` reaches ``RunConfig.sparsity_follows_lr``; the density after the ramp
+    follows ``(lr / peak)^q`` (largest at the peak, falling with the cosine) and its mean over
+    those steps is the row's own."""
+    from bench.run_config import follow_density, follow_mean, lr_at
+
+    row = f"scape-0.99-ramp0.5x20-follow{q:g}@early"
+    assert parse_row(row) == ("scape", 0.99, "early", None, (0.5, 20), q)
+    cfg = make_config(WORKLOADS["gpt"], dict(COMMON, warmup_steps=1), row, 2000, 7e-4, 0, "x",
+                      60.0)
+    assert cfg.sparsity_follows_lr == q and cfg.sparsity_ramp == (0.5, 20)
+    mean = follow_mean(cfg)
+    first = cfg.warmup_steps + 20  # the first step the schedule sends: masks made one before
+    dens = [1.0 - follow_density(t - 1, cfg, 0.99, mean) for t in range(first, cfg.steps)]
+    assert sum(dens) / len(dens) == pytest.approx(0.01, rel=1e-9)
+    lrs = [lr_at(t, cfg) for t in range(first, cfg.steps)]
+    peak = lrs.index(max(lrs))
+    assert max(dens) == dens[peak] > 0.01 > dens[-1] > 0.0
+    assert all(a >= b for a, b in zip(dens[peak:], dens[peak + 1:]))  # the cosine: falling
+    with pytest.raises(ValueError, match="density"):
+        follow_density(first + peak - 1, cfg, 0.1, mean)  # more than every coordinate
+    with pytest.raises(ValueError, match="sparsity_follows_lr applies to scape rows"):
+        RunConfig(optimizer="adams", sparsity_follows_lr=1.0)
+    with pytest.raises(ValueError, match=r"power in \(0, 4\]"):
+        RunConfig(sparsity_follows_lr=0.0)
+
+
+def test_a_follow_row_reaches_the_ranks(tmp_path):
+    """A run of ``-follow1`` writes the schedule into the groups: it trains differently from
+    the plain row, its median step sends other bytes, and about the same on the mean."""
+    out = tmp_path / "s.json"
+    proc = subprocess.run([sys.executable, "-m", "bench.lr_sweep", "--smoke", "--out", str(out),
+                           "--workloads", "gpt", "--optimizers", "adams", "scape-0.9",
+                           "scape-0.9-follow1", "--lrs", "1e-3"],
+                          cwd=ROOT, timeout=300, capture_output=True, text=True,
+                          env=dict(os.environ, PYTHONPATH=ROOT))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    runs = {r["optimizer"]: r for r in json.loads(out.read_text())["runs"]}
+    plain, follow = runs["scape-0.9"], runs["scape-0.9-follow1"]
+    assert follow["dense_steps"] == plain["dense_steps"]
+    assert follow["final_val_loss"] != plain["final_val_loss"]
+    assert follow["bytes_per_step"] != plain["bytes_per_step"]
+    ratio = follow["bytes_per_step_mean_all_steps"] / plain["bytes_per_step_mean_all_steps"]
+    assert 0.9 < ratio < 1.1, ratio
