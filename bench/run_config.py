@@ -136,6 +136,10 @@ class RunConfig:
             if isinstance(q, bool) or not isinstance(q, (int, float)) or not 0.0 < q <= 4.0:
                 raise ValueError(f"RunConfig.sparsity_follows_lr must be a power in (0, 4], "
                                  f"got {q!r}")
+            low = min([self.sparsity, *(self.group_sparsity or {}).values()])
+            if (1.0 - low) / follow_mean(self) >= 1.0:  # the peak's density, before launch
+                raise ValueError(f"RunConfig.sparsity_follows_lr={q}: sparsity {low} would "
+                                 f"turn dense at the peak lr")
         if entry.needs_sparsity and self.sparsity == 0.0:
             raise ValueError(f"RunConfig.sparsity must be > 0 for optimizer "
                              f"{self.optimizer!r} (use 'adams' for dense), got 0.0")

@@ -326,6 +326,8 @@ def test_a_follow_row_spends_the_same_bytes_while_the_lr_is_high(q):
         RunConfig(optimizer="adams", sparsity_follows_lr=1.0)
     with pytest.raises(ValueError, match=r"power in \(0, 4\]"):
         RunConfig(sparsity_follows_lr=0.0)
+    with pytest.raises(ValueError, match="turn dense at the peak lr"):
+        RunConfig(sparsity=0.3, sparsity_follows_lr=1.0, steps=200)
 
 
 def test_a_follow_row_reaches_the_ranks(tmp_path):
