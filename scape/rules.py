@@ -384,10 +384,15 @@ def _early_observe(shard: ShardState, buf: torch.Tensor, error_feedback: bool) -
     observe_local_moments(shard, buf, error_feedback, beta=_early_beta(shard))
 
 
+def early_trust(k: int, block_size: int) -> float:
+    """``early``'s catch-up bound for a mask of ``k`` per block (:data:`EARLY_TRUST`)."""
+    return EARLY_TRUST[0] if reads_wait(k, block_size) else EARLY_TRUST[1]
+
+
 def _early_update(shard: ShardState, g: torch.Tensor, idx: torch.Tensor, block_size: int,
                   hp: dict, model_out: torch.Tensor) -> None:
-    trust = EARLY_TRUST[0] if reads_wait(idx.shape[-1], block_size) else EARLY_TRUST[1]
-    catchup_agree(shard, g, idx, block_size, hp, model_out, trust=trust)
+    catchup_agree(shard, g, idx, block_size, hp, model_out,
+                  trust=early_trust(idx.shape[-1], block_size))
 
 
 def _early_score(shard: ShardState, hp: dict) -> torch.Tensor:

@@ -157,8 +157,7 @@ def early_decay_update(shard: ShardState, g: torch.Tensor, idx: torch.Tensor, bl
     EARLY_TRUST`; the shard's :attr:`~scape.rules.ShardState.lr_peak`, set before the update
     and checkpointed). At the peak, and at any flat lr, it is ``early``; as the cosine falls
     the bound in steps, ``c * rms_b / lr``, grows as ``1 / lr^2`` instead of ``1 / lr``."""
-    wide = rules.reads_wait(idx.shape[-1], block_size)
-    base = rules.EARLY_TRUST[0] if wide else rules.EARLY_TRUST[1]
+    base = rules.early_trust(idx.shape[-1], block_size)
     lr, peak = hp["lr"], shard.lr_peak
     trust = min(max(base, TRUST_DECAY_CAP), base * peak / lr) if 0.0 < lr < peak else base
     catchup_agree(shard, g, idx, block_size, hp, model_out, trust=trust)
