@@ -206,6 +206,11 @@ class RunConfig:
         return self.optimizer
 
     @property
+    def ramp_end(self) -> int:
+        """The first step whose sent mask is past the dense warm-up and the sparsity ramp."""
+        return self.warmup_steps + (self.sparsity_ramp or (0.0, 0))[1]
+
+    @property
     def warmup_steps(self) -> int:
         """Dense optimizer steps at the start (SCAPE's and top-k's warm-up; 0 otherwise)."""
         if REGISTRY[self.optimizer].sparse:
@@ -241,8 +246,8 @@ def lr_at(step: int, cfg: RunConfig) -> float:
 
 def follow_mean(cfg: RunConfig) -> float:
     """The mean of ``(lr / peak)^q`` over the steps after the ramp (:func:`follow_density`)."""
-    q, ramp = cfg.sparsity_follows_lr or 1.0, (cfg.sparsity_ramp or (0.0, 0))[1]
-    weights = [(lr_at(t, cfg) / cfg.lr) ** q for t in range(cfg.warmup_steps + ramp, cfg.steps)]
+    q = cfg.sparsity_follows_lr or 1.0
+    weights = [(lr_at(t, cfg) / cfg.lr) ** q for t in range(cfg.ramp_end, cfg.steps)]
     return sum(weights) / max(1, len(weights))
 
 

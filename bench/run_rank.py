@@ -187,8 +187,7 @@ def _train(cfg: RunConfig, rank: int, world: int) -> dict[str, Any]:
                 # read as this step makes the next one's mask: sparse step j sends ramp(j)
                 g["sparsity"] = sparsity_ramp(step + 1 - cfg.warmup_steps, start=min(start, end),
                                               end=end, ramp_steps=ramp_steps)
-            ramped = cfg.warmup_steps + (cfg.sparsity_ramp or (0.0, 0))[1]
-            if cfg.sparsity_follows_lr is not None and end and step + 1 >= ramped:
+            if cfg.sparsity_follows_lr is not None and end and step + 1 >= cfg.ramp_end:
                 g["sparsity"] = follow_density(step, cfg, end, follow)
         bytes_before = {op: int(v["bytes"]) for op, v in counter.stats.items()}
         link_before = _link_tx() if cfg.node_netns is not None else 0
