@@ -279,21 +279,26 @@ def test_group_suffixes_split_the_one_group_and_keep_its_decay():
             parse_row(bad)
 
 
-def test_a_ramp_row_writes_the_sparsity_before_each_sparse_step(tmp_path):
+@pytest.fixture(scope="module")
+def smoke_rows(tmp_path_factory) -> dict:
+    """One smoke sweep of the plain row beside its ramp and follow rows, by optimizer."""
+    out = tmp_path_factory.mktemp("rows") / "s.json"
+    proc = subprocess.run([sys.executable, "-m", "bench.lr_sweep", "--smoke", "--out", str(out),
+                           "--workloads", "gpt", "--optimizers", "adams", "scape-0.9",
+                           "scape-0.9-ramp0.5x2", "scape-0.9-follow1", "--lrs", "1e-3"],
+                          cwd=ROOT, timeout=300, capture_output=True, text=True,
+                          env=dict(os.environ, PYTHONPATH=ROOT))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return {r["optimizer"]: r for r in json.loads(out.read_text())["runs"]}
+
+
+def test_a_ramp_row_writes_the_sparsity_before_each_sparse_step(smoke_rows):
     """``-ramp<s0>x<n>`` reaches ``RunConfig.sparsity_ramp``; a run of it sends more bytes on
     its first sparse steps than later, and the same as the plain row once the ramp is over."""
     cfg = make_config(WORKLOADS["gpt"], dict(COMMON, warmup_steps=2),
                       "scape-0.99-ramp0.5x3@robust", 600, 3e-4, 0, "x", 60.0)
     assert cfg.sparsity_ramp == (0.5, 3) and cfg.optimizer_kwargs["update"] == "robust"
-    out = tmp_path / "s.json"
-    proc = subprocess.run([sys.executable, "-m", "bench.lr_sweep", "--smoke", "--out", str(out),
-                           "--workloads", "gpt", "--optimizers", "adams", "scape-0.9",
-                           "scape-0.9-ramp0.5x2", "--lrs", "1e-3"],
-                          cwd=ROOT, timeout=300, capture_output=True, text=True,
-                          env=dict(os.environ, PYTHONPATH=ROOT))
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    runs = {r["optimizer"]: r for r in json.loads(out.read_text())["runs"]}
-    plain, ramp = runs["scape-0.9"], runs["scape-0.9-ramp0.5x2"]
+    plain, ramp = smoke_rows["scape-0.9"], smoke_rows["scape-0.9-ramp0.5x2"]
     assert ramp["dense_steps"] == plain["dense_steps"] == 2
     assert ramp["bytes_per_step"] == plain["bytes_per_step"]  # after the ramp: the same
     assert ramp["bytes_per_step_mean_all_steps"] > plain["bytes_per_step_mean_all_steps"]
@@ -330,18 +335,10 @@ def test_a_follow_row_spends_the_same_bytes_while_the_lr_is_high(q):
         RunConfig(sparsity=0.3, sparsity_follows_lr=1.0, steps=200)
 
 
-def test_a_follow_row_reaches_the_ranks(tmp_path):
+def test_a_follow_row_reaches_the_ranks(smoke_rows):
     """A run of ``-follow1`` writes the schedule into the groups: it trains differently from
     the plain row, its median step sends other bytes, and about the same on the mean."""
-    out = tmp_path / "s.json"
-    proc = subprocess.run([sys.executable, "-m", "bench.lr_sweep", "--smoke", "--out", str(out),
-                           "--workloads", "gpt", "--optimizers", "adams", "scape-0.9",
-                           "scape-0.9-follow1", "--lrs", "1e-3"],
-                          cwd=ROOT, timeout=300, capture_output=True, text=True,
-                          env=dict(os.environ, PYTHONPATH=ROOT))
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    runs = {r["optimizer"]: r for r in json.loads(out.read_text())["runs"]}
-    plain, follow = runs["scape-0.9"], runs["scape-0.9-follow1"]
+    plain, follow = smoke_rows["scape-0.9"], smoke_rows["scape-0.9-follow1"]
     assert follow["dense_steps"] == plain["dense_steps"]
     assert follow["final_val_loss"] != plain["final_val_loss"]
     assert follow["bytes_per_step"] != plain["bytes_per_step"]
