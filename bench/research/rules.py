@@ -21,7 +21,8 @@ bound 1/2 above sparsity 0.974 and 1/4 up to it (``trust26``: 1/6, ``trust28``: 
 in as ``early``, bit for bit; ``trust2cap``: none above ``sqrt(a + 1)`` steps up to it).
 ``auto_b98w``: ``auto``'s masks (the summed wait up to sparsity 0.974) with ``_b98w``'s EMAs.
 ``early_decay``: ``early`` with its bound widened as the lr falls from its peak (up to one block
-RMS; :func:`early_decay_update`).
+RMS; :func:`early_decay_update`). ``early_lead``: ``early`` whose sent coordinates are put ahead of
+their catch-up by half the steps of their next wait (:func:`lead_update`).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ import torch
 
 from scape import rules
 from scape.rules import (
+    GAIN_STATE,
     RULES,
     Rule,
     ShardState,
@@ -49,6 +51,7 @@ from scape.rules import (
     gain_select,
     gain_selected,
     lazy,
+    mask_positions,
     noise_sized,
     observe_local_moments,
 )
@@ -163,6 +166,58 @@ def early_decay_update(shard: ShardState, g: torch.Tensor, idx: torch.Tensor, bl
     catchup_agree(shard, g, idx, block_size, hp, model_out, trust=trust)
 
 
+LEAD = 0.5
+"""``early_lead``: the lead, in the steps of the coordinate's last wait."""
+
+
+def lead_update(shard: ShardState, g: torch.Tensor, idx: torch.Tensor, block_size: int,
+                hp: dict, model_out: torch.Tensor, lead: float = LEAD) -> None:
+    """``early``'s catch-up, then the sent coordinates put ahead along their new step.
+
+    Between two sends a coordinate stands where its last catch-up left it while dense AdamS
+    moves on: it trails dense AdamS's trajectory by half its wait on the mean. Here the
+    catch-up starts from the coordinate's tracked position (``extra["lead"]``, the offset it
+    was given at its last send, taken off first), and the coordinate is then put
+    ``lead * (a + 1) * frac`` normalized steps ahead (``a + 1`` its wait, the predictor of
+    its next; ``frac`` the sign agreement of :func:`scape.catchups.catchup_agree`), at most
+    ``early``'s bound, so that it is on dense AdamS's trajectory in the middle of its next
+    wait. The offset is kept for the next send; the weight decay applies to the tracked
+    position. ``lead=0`` is ``early`` bit for bit. Torch ops (not fused)."""
+    flat = mask_positions(idx, block_size)
+    offset = shard.extra["lead"]
+    a1 = shard.age.index_select(0, flat).float().add_(1.0)
+    shard.master.index_add_(0, flat, offset.index_select(0, flat), alpha=-1.0)
+    trust = rules.early_trust(idx.shape[-1], block_size)
+    catchup_agree(shard, g, idx, block_size, hp, model_out, trust=trust)
+    if lead == 0.0 or hp["lr"] <= 0.0:
+        offset.index_fill_(0, flat, 0.0)
+        return
+    b1, b2 = hp["beta1"], hp["beta2"]
+    m = shard.m.index_select(0, flat)
+    gbar = g.float() / a1
+    denom = (m * m).mul_(b2).addcmul_(gbar, gbar, value=1.0 - b2).sqrt_().add_(hp["eps"])
+    ex = shard.extra
+    s2 = ex["s2"].index_select(0, flat).div_(ex["s2w"].index_select(0, flat).clamp_(min=1e-12))
+    sigma2 = (s2 - m.square()).clamp_(min=0.0).div_(hp.get("world", 1)).add_(1e-30)
+    mu2 = (gbar.square() - sigma2 / a1).clamp_(min=0.0)
+    frac = torch.special.erf(mu2.div_(sigma2.mul_(2.0 * (1.0 - b1) / (1.0 + b1))).sqrt_())
+    steps = a1.mul_(frac).mul_(lead)
+    rms = shard.master.view(-1, block_size).square().mean(dim=1).sqrt_()
+    steps = torch.minimum(steps, rms.mul_(trust / hp["lr"]).repeat_interleave(idx.shape[1]))
+    ahead = m.div_(denom).mul_(steps).mul_(-hp["lr"])
+    p = shard.master.index_select(0, flat).add_(ahead)
+    shard.master.index_copy_(0, flat, p)
+    offset.index_copy_(0, flat, ahead)
+    model_out.copy_(p)
+
+
+def early_lead_rule(lead: float = LEAD) -> Rule:
+    """``early`` with :func:`lead_update` (its three passes before the take unfused: the
+    update reads the ages before they advance)."""
+    return dataclasses.replace(RULES["early"], update=functools.partial(lead_update, lead=lead),
+                               observe_select=None, extra=GAIN_STATE + ("lead",))
+
+
 RESEARCH_RULES: dict[str, Rule] = {
     "lazy_accum": Rule(lazy, accumulated_score),
     "catchup_mean": Rule(catchup_mean),
@@ -199,6 +254,8 @@ RESEARCH_RULES: dict[str, Rule] = {
     "catchup_agree_trust28_gain_b98w": BetaAfterLrWarmup(0.5, 0.98, trust_dense=0.125).rule(),
     "catchup_agree_trust2cap_gain_b98w": BetaAfterLrWarmup(0.5, 0.98, trust_dense=0.0).rule(),
     "early_decay": dataclasses.replace(RULES["early"], update=early_decay_update),
+    "early_lead": early_lead_rule(),
+    "early_lead0": early_lead_rule(0.0),  # early through the same unfused path: the check
     # the default with its pass before the take split into the three ops (observe, then the
     # catch-up's own ages, then select): the same steps bit for bit, the check of the fusion
     "auto_three_passes": dataclasses.replace(RULES["auto"], observe_select=None),
