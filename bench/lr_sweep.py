@@ -28,7 +28,9 @@ built-in or research rule name (:mod:`bench.research.rules`); ``scape-<s>-embed<
 (either suffix alone too) puts the embedding matrices, the untied head, in param groups of
 their own at that sparsity, every group still decayed; ``-ramp<s0>x<n>`` (after those) ramps
 the sparsity from ``s0`` over the first ``n`` sparse steps (:func:`scape.sparsity_ramp`);
-``-follow<q>`` (last) makes the density after it follow ``(lr / peak)^q`` at the same mean. The
+``-follow<q>`` (last) makes the density after it follow ``(lr / peak)^q`` at the same mean;
+``-drift`` (after all) moves the unsent coordinates on every rank along their last catch-up's
+rate (:mod:`bench.research.drift`). The
 JSON (schema ``scape.lr_sweep/1``) is rewritten after every run; ``--resume`` keeps the runs of
 an earlier file with the same settings. ``--jobs N`` trains N runs at once, each rank on
 ``cpu_count // (N * W)`` threads (at least one): on a 2-core machine it gains nothing; on 16
@@ -111,6 +113,8 @@ class Row(NamedTuple):
     follow: float | None = None
     """``-follow<q>``: the density follows ``(lr / peak)^q`` after the ramp, at the same mean
     (:attr:`bench.runner.RunConfig.sparsity_follows_lr`; None: not)."""
+    drift: bool = False
+    """``-drift``: :attr:`bench.runner.RunConfig.drift`."""
 
 
 def parse_row(optimizer: str) -> Row:
@@ -123,6 +127,9 @@ def parse_row(optimizer: str) -> Row:
     parts = base.split("-")
     groups: dict[str, float] = {}
     ramp, follow = None, None
+    drift = len(parts) > 2 and parts[-1] == "drift"
+    if drift:
+        parts.pop()
     while len(parts) > 2 and parts[-1].startswith((*GROUP_SUFFIXES, "ramp", "follow")):
         part = parts.pop()
         try:
@@ -142,26 +149,27 @@ def parse_row(optimizer: str) -> Row:
         except ValueError as e:
             raise ValueError(f"--optimizers: {optimizer!r}: bad {part!r}: {e}") from None
     opt, sparsity = parse_name("-".join(parts))
-    if (at or groups or ramp or follow) and opt != "scape":
-        raise ValueError(f"--optimizers: {optimizer!r}: '@<rule>', '-<group><s>', '-ramp' and "
-                         "'-follow' apply to scape rows only")
+    if (at or groups or ramp or follow or drift) and opt != "scape":
+        raise ValueError(f"--optimizers: {optimizer!r}: '@<rule>', '-<group><s>', '-ramp', "
+                         "'-follow' and '-drift' apply to scape rows only")
     if at:
         try:
             check_rule(rule)
         except ValueError as e:
             raise ValueError(f"--optimizers: {optimizer!r}: {e}") from None
-    return Row(opt, sparsity, rule if at else None, groups or None, ramp, follow)
+    return Row(opt, sparsity, rule if at else None, groups or None, ramp, follow, drift)
 
 
 def make_config(workload: dict[str, Any], common: dict[str, Any], optimizer: str, steps: int,
                 lr: float, seed: int, name: str, timeout_s: float) -> RunConfig:
-    opt, sparsity, rule, groups, ramp, follow = parse_row(optimizer)
+    opt, sparsity, rule, groups, ramp, follow, drift = parse_row(optimizer)
     kwargs: dict[str, Any] = {} if common["warmup_steps"] is None or opt == "adams" else \
         {"warmup_steps": common["warmup_steps"]}
     if rule is not None:
         kwargs["update"] = rule
     return RunConfig(optimizer=opt, sparsity=sparsity, optimizer_kwargs=kwargs,
                      group_sparsity=groups, sparsity_ramp=ramp, sparsity_follows_lr=follow,
+                     drift=drift,
                      model=workload["model"], data=workload["data"], world=common["world"],
                      steps=steps, batch=common["batch"], seq=common["seq"], lr=lr,
                      weight_decay=common["weight_decay"], one_group=common["one_group"],

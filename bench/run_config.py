@@ -53,6 +53,9 @@ class RunConfig:
     ``1 - sparsity`` follows ``(lr / peak)^q``, scaled so its mean over those steps is the
     group's own (:func:`follow_density`): more sent while the lr is high, the same bytes in
     all. None: the group's sparsity throughout. SCAPE rows only."""
+    drift: bool = False
+    """Every rank moves the coordinates a step did not send along the rate of their last
+    catch-up (:class:`bench.research.drift.Drift`, a research option). SCAPE rows only."""
     model: str = "small"
     """:mod:`bench.gpt` preset (``tiny``, ``small``, ``base``) or :mod:`bench.llama` preset."""
     world: int = 4
@@ -140,6 +143,8 @@ class RunConfig:
             if (1.0 - low) / follow_mean(self) >= 1.0:  # the peak's density, before launch
                 raise ValueError(f"RunConfig.sparsity_follows_lr={q}: sparsity {low} would "
                                  f"turn dense at the peak lr")
+        if self.drift and self.optimizer != "scape":
+            raise ValueError(f"RunConfig.drift applies to scape rows, not {self.optimizer!r}")
         if entry.needs_sparsity and self.sparsity == 0.0:
             raise ValueError(f"RunConfig.sparsity must be > 0 for optimizer "
                              f"{self.optimizer!r} (use 'adams' for dense), got 0.0")

@@ -28,6 +28,7 @@ from bench.llama import make_model
 from bench.nullcomm import NullCommunicator
 from bench.optimizers import OPTIMIZERS, Spec, build
 from bench.prose import load
+from bench.research.drift import Drift
 from bench.run_config import RunConfig, follow_density, follow_mean, lr_at
 from scape import sparsity_ramp
 from scape.comm import HierarchicalCommunicator, TorchCommunicator
@@ -160,6 +161,7 @@ def _train(cfg: RunConfig, rank: int, world: int) -> dict[str, Any]:
     model, opt, counter, module = _build(cfg, rank, world, device)
     ends = [g.get("sparsity") for g in opt.param_groups]  # each group's sparsity after a ramp
     follow = follow_mean(cfg) if cfg.sparsity_follows_lr is not None else 1.0
+    drift = Drift(module.parameters()) if cfg.drift else None
     seq, global_batch = cfg.seq_len, cfg.batch * world
     prof, prof_steps = None, range(cfg.skip + 1, min(cfg.steps, cfg.skip + 4) + 1)
     records: list[dict[str, Any]] = []
@@ -203,6 +205,9 @@ def _train(cfg: RunConfig, rank: int, world: int) -> dict[str, Any]:
             loss_sum += loss.detach()
         opt.step()
         opt.zero_grad()
+        if drift is not None:
+            opt.finish_param_sync()  # the step's values in the model, then the reckoning
+            drift.after_step()
         if device.type == "cuda":
             torch.cuda.synchronize(device)  # the step's kernels are in the time
         step_s = time.perf_counter() - t0

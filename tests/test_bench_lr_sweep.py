@@ -237,9 +237,9 @@ def test_a_rule_suffix_reaches_scape_rows_and_bad_ones_are_refused():
                       600, 3e-4, 0, "x", 60.0)
     assert (cfg.optimizer, cfg.sparsity) == ("scape", 0.9)
     assert cfg.optimizer_kwargs == {"warmup_steps": 2, "update": "catchup_agree_trust2_accum"}
-    assert parse_row("scape-0.99") == ("scape", 0.99, None, None, None, None)
+    assert parse_row("scape-0.99") == ("scape", 0.99, None, None, None, None, False)
     assert parse_row("scape-0.99@robust-explore0.2") == ("scape", 0.99, "robust-explore0.2",
-                                                          None, None, None)
+                                                          None, None, None, False)
     with pytest.raises(ValueError, match="unknown rule 'nope'.*auto"):
         parse_row("scape-0.99@nope")
     with pytest.raises(ValueError, match="scape rows only"):
@@ -254,7 +254,7 @@ def test_group_suffixes_split_the_one_group_and_keep_its_decay():
     from bench.run_rank import make_groups
 
     assert parse_row("scape-0.99-embed0.9-head0.97@robust") == \
-        ("scape", 0.99, "robust", {"embed": 0.9, "head": 0.97}, None, None)
+        ("scape", 0.99, "robust", {"embed": 0.9, "head": 0.97}, None, None, False)
     cfg = make_config(WORKLOADS["llama"], COMMON, "scape-0.99-embed0.9-head0.97", 600, 3e-4, 0,
                       "x", 60.0)
     assert cfg.group_sparsity == {"embed": 0.9, "head": 0.97} and cfg.one_group
@@ -281,11 +281,12 @@ def test_group_suffixes_split_the_one_group_and_keep_its_decay():
 
 @pytest.fixture(scope="module")
 def smoke_rows(tmp_path_factory) -> dict:
-    """One smoke sweep of the plain row beside its ramp and follow rows, by optimizer."""
+    """One smoke sweep of the plain row beside its ramp, follow and drift rows, by optimizer."""
     out = tmp_path_factory.mktemp("rows") / "s.json"
     proc = subprocess.run([sys.executable, "-m", "bench.lr_sweep", "--smoke", "--out", str(out),
                            "--workloads", "gpt", "--optimizers", "adams", "scape-0.9",
-                           "scape-0.9-ramp0.5x2", "scape-0.9-follow1", "--lrs", "1e-3"],
+                           "scape-0.9-ramp0.5x2", "scape-0.9-follow1", "scape-0.9-drift",
+                           "--lrs", "1e-3"],
                           cwd=ROOT, timeout=300, capture_output=True, text=True,
                           env=dict(os.environ, PYTHONPATH=ROOT))
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -313,7 +314,7 @@ def test_a_follow_row_spends_the_same_bytes_while_the_lr_is_high(q):
     from bench.run_config import follow_density, follow_mean, lr_at
 
     row = f"scape-0.99-ramp0.5x20-follow{q:g}@early"
-    assert parse_row(row) == ("scape", 0.99, "early", None, (0.5, 20), q)
+    assert parse_row(row) == ("scape", 0.99, "early", None, (0.5, 20), q, False)
     cfg = make_config(WORKLOADS["gpt"], dict(COMMON, warmup_steps=1), row, 2000, 7e-4, 0, "x",
                       60.0)
     assert cfg.sparsity_follows_lr == q and cfg.sparsity_ramp == (0.5, 20)
@@ -344,3 +345,14 @@ def test_a_follow_row_reaches_the_ranks(smoke_rows):
     assert follow["bytes_per_step"] != plain["bytes_per_step"]
     ratio = follow["bytes_per_step_mean_all_steps"] / plain["bytes_per_step_mean_all_steps"]
     assert 0.9 < ratio < 1.1, ratio
+
+
+def test_a_drift_row_reaches_the_ranks(smoke_rows):
+    """``-drift`` (:mod:`bench.research.drift`): the same bytes as the plain row, another
+    model, the same on every rank."""
+    plain, drift = smoke_rows["scape-0.9"], smoke_rows["scape-0.9-drift"]
+    assert drift["bytes_per_step_mean_all_steps"] == plain["bytes_per_step_mean_all_steps"]
+    assert drift["final_val_loss"] != plain["final_val_loss"]
+    assert drift["ranks_agree"] and plain["ranks_agree"]
+    with pytest.raises(ValueError, match="drift applies to scape rows"):
+        RunConfig(optimizer="adams", drift=True)
