@@ -22,7 +22,7 @@ in as ``early``, bit for bit; ``trust2cap``: none above ``sqrt(a + 1)`` steps up
 ``auto_b98w``: ``auto``'s masks (the summed wait up to sparsity 0.974) with ``_b98w``'s EMAs.
 ``early_decay``: ``early`` with its bound widened as the lr falls from its peak (up to one block
 RMS; :func:`early_decay_update`). ``early_lead``: ``early`` whose sent coordinates are put ahead of
-their catch-up by half the steps of their next wait (:func:`lead_update`).
+their catch-up by half the steps of their last wait (:func:`lead_update`).
 """
 
 from __future__ import annotations
@@ -179,7 +179,8 @@ def lead_update(shard: ShardState, g: torch.Tensor, idx: torch.Tensor, block_siz
     catch-up starts from the coordinate's tracked position (``extra["lead"]``, the offset it
     was given at its last send, taken off first), and the coordinate is then put
     ``lead * (a + 1) * frac`` normalized steps ahead (``a + 1`` its wait, the predictor of
-    its next; ``frac`` the sign agreement of :func:`scape.catchups.catchup_agree`), at most
+    its next; ``frac`` the sign agreement of :func:`scape.catchups.catchup_agree`, here from
+    the updated moment), at most
     ``early``'s bound, so that it is on dense AdamS's trajectory in the middle of its next
     wait. The offset is kept for the next send; the weight decay applies to the tracked
     position. ``lead=0`` is ``early`` bit for bit. Torch ops (not fused)."""
