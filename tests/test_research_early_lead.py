@@ -5,12 +5,14 @@ moment), stays within ``early``'s bound, and changes only where a step sent."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
 import bench.research.rules as research
 from scape import rules
-from tests.test_rule_early import RISE_FALL, _build, _run, _same, _steps
+from tests.test_rule_early import RISE_FALL, _build, _run, _same, _state, _steps
 
 
 def _without_lead(state: dict) -> dict:
@@ -49,6 +51,24 @@ def test_the_lead_follows_the_step(sparsity):
 
 
 def test_the_offset_is_saved():
-    """The offset is rule state: in ``extra``, so checkpoints save and reshard it."""
+    """The offset is rule state (``extra``): a state dict carries it, and a run resumed from
+    one continues as the uninterrupted run, bit for bit."""
     assert rules.get("early_lead").extra == rules.GAIN_STATE + ("lead",)
     assert 0.0 < research.LEAD <= 1.0
+    lrs = [10 * lr for lr in RISE_FALL]
+    whole, params = _build("early_lead", 0.97, lrs[0])
+    gen = torch.Generator().manual_seed(11)
+    _steps(whole, params, lrs[:8], gen)
+    saved, at = copy.deepcopy(whole.state_dict()), [p.detach().clone() for p in params]
+    state = torch.get_rng_state(), gen.get_state()
+    masks = _steps(whole, params, lrs[8:], gen)
+    assert whole.shards[0].extra["lead"].any()
+    resumed, params2 = _build("early_lead", 0.97, lrs[0])
+    with torch.no_grad():
+        for p, v in zip(params2, at):
+            p.copy_(v)
+    resumed.load_state_dict(saved)
+    torch.set_rng_state(state[0])
+    gen.set_state(state[1])
+    masks2 = _steps(resumed, params2, lrs[8:], gen)
+    assert _same(_state(resumed, params2, masks2), _state(whole, params, masks))
