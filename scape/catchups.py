@@ -87,15 +87,9 @@ def catchup_snr(shard: ShardState, g: torch.Tensor, idx: torch.Tensor, block_siz
     p_sel, m_sel = shard.master.index_select(0, flat), shard.m.index_select(0, flat)
     a1 = shard.age.index_select(0, flat).float().add_(1.0)
     gbar = g.float() / a1
-    denom = (m_sel * m_sel).mul_(hp["beta2"]).addcmul_(gbar, gbar, value=1.0 - hp["beta2"])
-    denom.sqrt_().add_(hp["eps"])
-    s2 = shard.extra["s2"].index_select(0, flat).div_(
-        shard.extra["s2w"].index_select(0, flat).clamp_(min=1e-12))
-    sigma2 = (s2 - m_sel.square()).clamp_(min=0.0).div_(hp.get("world", 1)).add_(1e-30)
-    mu2 = (gbar.square() - sigma2 / a1).clamp_(min=0.0)
-    if agree:  # noise of dense AdamS's m: the EMA of per-step means
-        sigma_m2 = sigma2 * ((1.0 - hp["beta1"]) / (1.0 + hp["beta1"]))
-        frac = torch.special.erf(mu2.div_(sigma_m2.mul_(2.0)).sqrt_())
+    denom, sigma2, mu2 = arrived_mean(shard, flat, m_sel, gbar, a1, hp)
+    if agree:
+        frac = sign_agreement(sigma2, mu2, hp["beta1"])
     else:
         r = mu2.mul_(a1).div_(sigma2)
         frac = (r / (1.0 + r)).sqrt_()
@@ -103,8 +97,7 @@ def catchup_snr(shard: ShardState, g: torch.Tensor, idx: torch.Tensor, block_siz
     if cap < 1.0:
         steps = torch.minimum(steps, a1.pow(cap))
     if trust is not None and hp["lr"] > 0.0:
-        rms = shard.master.view(-1, block_size).square().mean(dim=1).sqrt_()
-        reach = rms.mul_(trust / hp["lr"]).repeat_interleave(idx.shape[1])
+        reach = trust_reach(shard.master, block_size, idx.shape[1], trust, hp["lr"])
         steps = torch.minimum(steps, torch.maximum(a1.sqrt(), reach))
     keep = torch.pow(hp["beta1"], a1)  # beta1^(a+1); 0 when beta1 = 0
     m_sel.mul_(keep).addcmul_(1.0 - keep, gbar)
@@ -116,6 +109,39 @@ def catchup_snr(shard: ShardState, g: torch.Tensor, idx: torch.Tensor, block_siz
     shard.age.add_(1)
     shard.age.index_fill_(0, flat, 0)
     model_out.copy_(p_sel)
+
+
+def arrived_mean(shard: ShardState, flat: torch.Tensor, m_sel: torch.Tensor,
+                 gbar: torch.Tensor, a1: torch.Tensor,
+                 hp: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What a catch-up reads of the mean ``gbar`` of the ``a1 = a + 1`` gradients that arrived
+    at the flat positions ``flat``, against the moment ``m_sel`` there: AdamS's denominator
+    ``sqrt(beta2 m^2 + (1 - beta2) gbar^2) + eps``, the per-step noise variance ``sigma^2`` of
+    the global mean (the owner's local variance ``s2 - m^2`` over W) and the signal ``mu^2 =
+    max(gbar^2 - sigma^2 / (a + 1), 0)`` (:func:`catchup_snr`)."""
+    denom = (m_sel * m_sel).mul_(hp["beta2"]).addcmul_(gbar, gbar, value=1.0 - hp["beta2"])
+    denom.sqrt_().add_(hp["eps"])
+    s2 = shard.extra["s2"].index_select(0, flat).div_(
+        shard.extra["s2w"].index_select(0, flat).clamp_(min=1e-12))
+    sigma2 = (s2 - m_sel.square()).clamp_(min=0.0).div_(hp.get("world", 1)).add_(1e-30)
+    mu2 = (gbar.square() - sigma2 / a1).clamp_(min=0.0)
+    return denom, sigma2, mu2
+
+
+def sign_agreement(sigma2: torch.Tensor, mu2: torch.Tensor, beta1: float) -> torch.Tensor:
+    """``E[sign(m_t)] = erf(|mu| / (sigma_m sqrt 2))`` of dense AdamS's moment, an EMA of
+    per-step means whose noise is ``sigma_m^2 = sigma^2 (1 - beta1) / (1 + beta1)``
+    (:func:`catchup_agree`). Overwrites ``mu2``."""
+    sigma_m2 = sigma2 * ((1.0 - beta1) / (1.0 + beta1))
+    return torch.special.erf(mu2.div_(sigma_m2.mul_(2.0)).sqrt_())
+
+
+def trust_reach(master: torch.Tensor, block_size: int, k: int, trust: float,
+                lr: float) -> torch.Tensor:
+    """``trust * rms_b / lr`` in steps, for each of ``k`` mask entries of each block:
+    ``rms_b`` the RMS of the block of ``master`` (the trust bound of :func:`catchup_snr`)."""
+    rms = master.view(-1, block_size).square().mean(dim=1).sqrt_()
+    return rms.mul_(trust / lr).repeat_interleave(k)
 
 
 def catchup_agree(shard: ShardState, g: torch.Tensor, idx: torch.Tensor, block_size: int,

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from scape import rules
+from scape.catchups import arrived_mean, sign_agreement, trust_reach
 from scape.rules import (
     GAIN_STATE,
     RULES,
@@ -193,18 +194,11 @@ def lead_update(shard: ShardState, g: torch.Tensor, idx: torch.Tensor, block_siz
     if lead == 0.0 or hp["lr"] <= 0.0:
         offset.index_fill_(0, flat, 0.0)
         return
-    b1, b2 = hp["beta1"], hp["beta2"]
     m = shard.m.index_select(0, flat)
-    gbar = g.float() / a1
-    denom = (m * m).mul_(b2).addcmul_(gbar, gbar, value=1.0 - b2).sqrt_().add_(hp["eps"])
-    ex = shard.extra
-    s2 = ex["s2"].index_select(0, flat).div_(ex["s2w"].index_select(0, flat).clamp_(min=1e-12))
-    sigma2 = (s2 - m.square()).clamp_(min=0.0).div_(hp.get("world", 1)).add_(1e-30)
-    mu2 = (gbar.square() - sigma2 / a1).clamp_(min=0.0)
-    frac = torch.special.erf(mu2.div_(sigma2.mul_(2.0 * (1.0 - b1) / (1.0 + b1))).sqrt_())
-    steps = a1.mul_(frac).mul_(lead)
-    rms = shard.master.view(-1, block_size).square().mean(dim=1).sqrt_()
-    steps = torch.minimum(steps, rms.mul_(trust / hp["lr"]).repeat_interleave(idx.shape[1]))
+    denom, sigma2, mu2 = arrived_mean(shard, flat, m, g.float() / a1, a1, hp)
+    steps = a1.mul_(sign_agreement(sigma2, mu2, hp["beta1"])).mul_(lead)
+    steps = torch.minimum(steps, trust_reach(shard.master, block_size, idx.shape[1], trust,
+                                             hp["lr"]))
     ahead = m.div_(denom).mul_(steps).mul_(-hp["lr"])
     p = shard.master.index_select(0, flat).add_(ahead)
     shard.master.index_copy_(0, flat, p)
