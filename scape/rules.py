@@ -19,7 +19,8 @@ A rule is a :class:`Rule`. ``update=`` of :class:`scape.SCAPE` names one in :dat
 ==========  ===========================================================================
 
 Other rules plug in with :func:`register` (``bench/research/rules.py`` registers its own).
-The catch-ups (``update`` functions) live in :mod:`scape.catchups` and are importable here.
+The catch-ups (``update`` functions) live in :mod:`scape.catchups` and are importable here,
+with the pieces they are built of (:func:`~scape.catchups.arrived_mean`, ...).
 
 ``update(shard, g, idx, block_size, hp, model_out)``:
 
@@ -60,12 +61,15 @@ from typing import Any
 import torch
 
 from scape.catchups import (  # noqa: F401  (the catch-ups stay importable from here)
+    arrived_mean,
     catchup_agree,
     catchup_mean,
     catchup_snr,
     catchup_sqrt,
     lazy,
     mask_positions,
+    sign_agreement,
+    trust_reach,
 )
 from scape.kernels import gain_score as kernel_gain_score
 from scape.kernels import gain_topk as kernel_gain_topk

@@ -37,13 +37,13 @@ from typing import Any
 import torch
 
 from scape import rules
-from scape.catchups import arrived_mean, sign_agreement, trust_reach
 from scape.rules import (
     GAIN_STATE,
     RULES,
     Rule,
     ShardState,
     accumulated_score,
+    arrived_mean,
     catchup_agree,
     catchup_mean,
     catchup_snr,
@@ -55,6 +55,8 @@ from scape.rules import (
     mask_positions,
     noise_sized,
     observe_local_moments,
+    sign_agreement,
+    trust_reach,
 )
 
 TRUST_LR = (0.5, 0.25)
