@@ -94,6 +94,10 @@ def _entry(rank: int, world: int, init_file: str, pg_timeout: float, env: dict[s
                 "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                 timeout=datetime.timedelta(seconds=pg_timeout),
             )
+            # gloo's init can return on one rank while another is still connecting to it: a
+            # rank whose fn needs no collective could then exit and close that connection
+            # ("Connection closed by peer" in the other rank's init)
+            dist.barrier()
         result = fn(rank, world, *args)
         q.put(RankOutcome(rank, True, result=result))
     except BaseException as e:  # noqa: BLE001 - report everything to the parent
