@@ -22,7 +22,8 @@ in as ``early``, bit for bit; ``trust2cap``: none above ``sqrt(a + 1)`` steps up
 ``auto_b98w``: ``auto``'s masks (the summed wait up to sparsity 0.974) with ``_b98w``'s EMAs.
 ``early_decay``: ``early`` with its bound widened as the lr falls from its peak (up to one block
 RMS; :func:`early_decay_update`). ``early_lead``: ``early`` whose sent coordinates are put ahead of
-their catch-up by half the steps of their last wait (:func:`lead_update`).
+their catch-up by half the steps of their last wait (:func:`lead_update`). ``early_probe``:
+``early`` bit for bit, recording per block what its catch-ups did (:mod:`bench.research.probe`).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from typing import Any
 
 import torch
 
+from bench.research.probe import PROBE
 from scape import rules
 from scape.rules import (
     GAIN_STATE,
@@ -252,6 +254,7 @@ RESEARCH_RULES: dict[str, Rule] = {
     "catchup_agree_trust2cap_gain_b98w": BetaAfterLrWarmup(0.5, 0.98, trust_dense=0.0).rule(),
     "early_decay": dataclasses.replace(RULES["early"], update=early_decay_update),
     "early_lead": early_lead_rule(),
+    "early_probe": PROBE,  # early, recording what its catch-ups did (bench.research.probe)
     "early_lead0": early_lead_rule(0.0),  # early through the same unfused path: the check
     # the default with its pass before the take split into the three ops (observe, then the
     # catch-up's own ages, then select): the same steps bit for bit, the check of the fusion
