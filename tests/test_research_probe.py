@@ -59,11 +59,13 @@ def test_probe_trains_as_early_and_counts_every_send(sparsity, tmp_path, monkeyp
 
 def test_summarize_maps_blocks_to_parameter_kinds():
     model = torch.nn.Module()
-    model.tok_emb = torch.nn.Embedding(16, 32)  # 512 coordinates: two blocks of 256
-    model.head = torch.nn.Linear(32, 24, bias=False)  # 768: three blocks
+    model.tok_emb = torch.nn.Embedding(16, 32)  # 512 coordinates: blocks 0-1 of 256
+    model.norm = torch.nn.LayerNorm(24)  # 48 at the start of block 2 ...
+    model.head = torch.nn.Linear(32, 20, bias=False)  # ... whose other 208 are the head's
     line = {"rank": 0, "sparse_steps": 5, "numel": 1280, "sent": [2.0] * 5,
             "wait": [4.0, 4.0, 10.0, 10.0, 10.0], "asked": [2.0] * 5, "taken": [2.0] * 5,
-            "cut": [0.0, 0.0, 1.0, 1.0, 1.0]}
+            "cut": [0.0, 0.0, 1.0, 1.0, 2.0]}
     table = probe.summarize([line], model, world=1, block_size=256)
+    assert set(table) == {"tok_emb", "head"}
     assert table["tok_emb"]["wait"] == [2.0] and table["tok_emb"]["cut"] == [0.0]
-    assert table["head"]["wait"] == [5.0] and table["head"]["cut"] == [0.5]
+    assert table["head"]["wait"] == [5.0] and table["head"]["cut"] == [4.0 / 6.0]

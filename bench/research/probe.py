@@ -117,11 +117,13 @@ def summarize(lines: list[dict[str, Any]], model: torch.nn.Module, world: int,
     """Per window and parameter kind (``tok_emb``, ``pos_emb``, ``attn``, ``mlp``): mean wait,
     mean steps asked and taken per send, fraction of sends cut by the bound."""
     shard, spans = tensor_blocks(model, world, block_size)
-    kind_of: dict[int, str] = {}
+    share: dict[int, dict[str, int]] = defaultdict(lambda: defaultdict(int))
     for name, lo, hi in spans:
         kind = name.split(".")[0] if not name.startswith("blocks") else name.split(".")[2]
         for b in range(lo // block_size, -(-hi // block_size)):
-            kind_of.setdefault(b, kind)  # a block two kinds share goes to the first
+            share[b][kind] += min(hi, (b + 1) * block_size) - max(lo, b * block_size)
+    # a block that kinds share goes to the kind with most of its coordinates
+    kind_of = {b: max(kinds, key=kinds.__getitem__) for b, kinds in share.items()}
     out: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     for window in sorted({ln["sparse_steps"] for ln in lines}):
         sums: dict[str, list[float]] = defaultdict(lambda: [0.0] * len(FIELDS))
