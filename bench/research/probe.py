@@ -1,7 +1,7 @@
 """``early_probe``: ``early`` bit for bit, recording per block what its catch-ups did.
 
-A diagnostic for where a one-group run lags (docs/research.md, "Where the catch-up's bound
-binds"). Before each update it reads, for every sent coordinate, the wait ``a + 1``, the steps
+A diagnostic for where a one-group run lags (docs/research.md, "What `early`'s catch-ups do
+per matrix"). Before each update it reads, for every sent coordinate, the wait ``a + 1``, the steps
 the agreement catch-up asks for (``(a + 1) * erf(...)``, :func:`scape.rules.catchup_agree`)
 and its bound (``max(sqrt(a + 1), c * rms_b / lr)``, ``c`` from
 :func:`scape.rules.early_trust`), and sums per block of the shard: coordinates sent, waits,
@@ -11,8 +11,8 @@ restarted. The update itself is ``early``'s, so a run with the probe trains the 
 parameters as one without (torch ops read the same state; nothing is written back).
 
     SCAPE_PROBE_DIR=/tmp/probe python -m bench.lr_sweep --workloads gpt --steps 2000 \\
-        --warmup-steps 1 --seeds 0 --optimizers scape-0.9-ramp0.5x20@early_probe --lrs 1e-3 \\
-        --out /tmp/probe.json
+        --warmup-steps 1 --seeds 0 --optimizers adams scape-0.9-ramp0.5x20@early_probe \\
+        --lrs 1e-3 --out /tmp/probe.json
     python -m bench.research.probe /tmp/probe --model small --world 4
 """
 
