@@ -18,6 +18,13 @@ def test_no_widening_is_early(sparsity):
     assert _same(_run("early_steady1", lrs, sparsity), _run("early", lrs, sparsity))
 
 
+def test_while_the_lr_rises_the_w_rule_is_early():
+    lrs = [10 * lr for lr in RISE_FALL[:6]]  # the rise only
+    assert _same(_run("early_steady_w", lrs, 0.97), _run("early", lrs, 0.97))
+    assert not _same(_run("early_steady_w", [10 * lr for lr in RISE_FALL], 0.97),
+                     _run("early", [10 * lr for lr in RISE_FALL], 0.97))
+
+
 @pytest.mark.parametrize("sparsity", [0.9, 0.97])  # where the 1/8 bound binds
 def test_the_wider_bound_moves_further(sparsity):
     """From the same state (both trained as ``early`` up to the last step), one step of each:

@@ -25,7 +25,7 @@ RMS; :func:`early_decay_update`). ``early_lead``: ``early`` whose sent coordinat
 their catch-up by half the steps of their last wait (:func:`lead_update`). ``early_probe``:
 ``early`` bit for bit, recording per block what its catch-ups did (:mod:`bench.research.probe`).
 ``early_steady``: ``early`` whose bound widens with each sent coordinate's agreement
-(:func:`steady_update`).
+(:func:`steady_update`); ``early_steady_w``: at most twice, once the lr stops rising.
 """
 
 from __future__ import annotations
@@ -224,7 +224,8 @@ STEADY_FLOOR = 0.25
 
 
 def steady_update(shard: ShardState, g: torch.Tensor, idx: torch.Tensor, block_size: int,
-                  hp: dict, model_out: torch.Tensor, floor: float = STEADY_FLOOR) -> None:
+                  hp: dict, model_out: torch.Tensor, floor: float = STEADY_FLOOR,
+                  after_rise: bool = False) -> None:
     """``early``'s catch-up whose bound widens with the sent coordinate's own agreement.
 
     The probe (:mod:`bench.research.probe`) found the token embedding the steadiest matrix at
@@ -233,7 +234,9 @@ def steady_update(shard: ShardState, g: torch.Tensor, idx: torch.Tensor, block_s
     c_early / max(1 - frac, floor)``, ``frac`` the sign agreement that sizes the catch-up
     (:func:`scape.rules.catchup_agree`): a coin-toss coordinate keeps about ``early``'s bound,
     a steady one gets up to ``1 / floor`` times it. ``floor = 1`` is ``early`` bit for bit
-    (through the unfused path). Torch ops, the order of :func:`scape.rules.catchup_snr`."""
+    (through the unfused path). ``after_rise``: ``early``'s bound while the lr still rises
+    (``shard.lr_rose``), the wider one after. Torch ops, the order of
+    :func:`scape.rules.catchup_snr`."""
     flat = mask_positions(idx, block_size)
     p_sel, m_sel = shard.master.index_select(0, flat), shard.m.index_select(0, flat)
     a1 = shard.age.index_select(0, flat).float().add_(1.0)
@@ -244,7 +247,7 @@ def steady_update(shard: ShardState, g: torch.Tensor, idx: torch.Tensor, block_s
     if hp["lr"] > 0.0:
         trust = rules.early_trust(idx.shape[-1], block_size)
         reach = trust_reach(shard.master, block_size, idx.shape[1], trust, hp["lr"])
-        if floor < 1.0:
+        if floor < 1.0 and not (after_rise and shard.lr_rose):
             reach = reach / (1.0 - frac).clamp_(min=floor)
         steps = torch.minimum(steps, torch.maximum(a1.sqrt(), reach))
     keep = torch.pow(hp["beta1"], a1)
@@ -259,12 +262,11 @@ def steady_update(shard: ShardState, g: torch.Tensor, idx: torch.Tensor, block_s
     model_out.copy_(p_sel)
 
 
-def early_steady_rule(floor: float = STEADY_FLOOR) -> Rule:
+def early_steady_rule(floor: float = STEADY_FLOOR, after_rise: bool = False) -> Rule:
     """``early`` with :func:`steady_update` (its passes before the take unfused: the update
     reads the ages before they advance)."""
-    return dataclasses.replace(RULES["early"],
-                               update=functools.partial(steady_update, floor=floor),
-                               observe_select=None)
+    update = functools.partial(steady_update, floor=floor, after_rise=after_rise)
+    return dataclasses.replace(RULES["early"], update=update, observe_select=None)
 
 
 RESEARCH_RULES: dict[str, Rule] = {
@@ -305,6 +307,7 @@ RESEARCH_RULES: dict[str, Rule] = {
     "early_decay": dataclasses.replace(RULES["early"], update=early_decay_update),
     "early_lead": early_lead_rule(),
     "early_steady": early_steady_rule(),
+    "early_steady_w": early_steady_rule(0.5, after_rise=True),  # at most 2x, after the rise
     "early_steady1": early_steady_rule(1.0),  # early through the same unfused path: the check
     "early_probe": PROBE,  # early, recording what its catch-ups did (bench.research.probe)
     "early_lead0": early_lead_rule(0.0),  # early through the same unfused path: the check
