@@ -99,6 +99,18 @@ def catchup_snr(shard: ShardState, g: torch.Tensor, idx: torch.Tensor, block_siz
     if trust is not None and hp["lr"] > 0.0:
         reach = trust_reach(shard.master, block_size, idx.shape[1], trust, hp["lr"])
         steps = torch.minimum(steps, torch.maximum(a1.sqrt(), reach))
+    move_selected(shard, flat, p_sel, m_sel, gbar, a1, denom, steps, hp, model_out)
+
+
+def move_selected(shard: ShardState, flat: torch.Tensor, p_sel: torch.Tensor,
+                  m_sel: torch.Tensor, gbar: torch.Tensor, a1: torch.Tensor,
+                  denom: torch.Tensor, steps: torch.Tensor, hp: dict,
+                  model_out: torch.Tensor) -> None:
+    """A catch-up's move once its size is known (:func:`catchup_snr`): the moment ``m_sel``
+    decays by ``beta1^(a+1)`` toward the arrived mean ``gbar``, the lazy weight decay of the
+    ``a + 1`` steps, ``steps`` normalized steps ``m / denom``; then the mask's ``master`` and
+    ``m`` written back, ``age = 0`` there and ``age += 1`` elsewhere, the new values into
+    ``model_out``. ``p_sel`` and ``m_sel`` are overwritten."""
     keep = torch.pow(hp["beta1"], a1)  # beta1^(a+1); 0 when beta1 = 0
     m_sel.mul_(keep).addcmul_(1.0 - keep, gbar)
     if hp["weight_decay"] != 0.0:

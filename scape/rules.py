@@ -68,6 +68,7 @@ from scape.catchups import (  # noqa: F401  (the catch-ups stay importable from 
     catchup_sqrt,
     lazy,
     mask_positions,
+    move_selected,
     sign_agreement,
     trust_reach,
 )

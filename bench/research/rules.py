@@ -57,6 +57,7 @@ from scape.rules import (
     gain_selected,
     lazy,
     mask_positions,
+    move_selected,
     noise_sized,
     observe_local_moments,
     sign_agreement,
@@ -250,16 +251,7 @@ def steady_update(shard: ShardState, g: torch.Tensor, idx: torch.Tensor, block_s
         if floor < 1.0 and not (after_rise and shard.lr_rose):
             reach = reach / (1.0 - frac).clamp_(min=floor)
         steps = torch.minimum(steps, torch.maximum(a1.sqrt(), reach))
-    keep = torch.pow(hp["beta1"], a1)
-    m_sel.mul_(keep).addcmul_(1.0 - keep, gbar)
-    if hp["weight_decay"] != 0.0:
-        p_sel.mul_(a1.mul(math.log1p(-hp["lr"] * hp["weight_decay"])).exp_())
-    p_sel.addcmul_(m_sel / denom, steps, value=-hp["lr"])
-    shard.master.index_copy_(0, flat, p_sel)
-    shard.m.index_copy_(0, flat, m_sel)
-    shard.age.add_(1)
-    shard.age.index_fill_(0, flat, 0)
-    model_out.copy_(p_sel)
+    move_selected(shard, flat, p_sel, m_sel, gbar, a1, denom, steps, hp, model_out)
 
 
 def early_steady_rule(floor: float = STEADY_FLOOR, after_rise: bool = False) -> Rule:
