@@ -22,7 +22,7 @@ PUBLIC = {
     "scape.comm": None,
     "scape.comm.base": {"Communicator", "Work", "CompletedWork", "CommError", "OPS",
                         "REDUCE_OPS"},
-    "scape.buffers": {"Bucket", "DENSE_ALIGN"},
+    "scape.buffers": {"Bucket", "DENSE_ALIGN", "flat_layout"},
     "scape.profiling": {"phase"},
 }
 """The library surface the benchmarks may use: module -> the names they may take from it

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from scape import rules
+from scape.buffers import flat_layout
 from scape.rules import (
     RULES,
     Rule,
@@ -103,13 +104,11 @@ PROBE: Rule = dataclasses.replace(RULES["early"], update=probe_update)
 def tensor_blocks(model: torch.nn.Module, world: int, block_size: int
                   ) -> tuple[int, list[tuple[str, int, int]]]:
     """``(shard_size, [(name, first, end)])``: each parameter's coordinates in one group's
-    flat buffer (``model.parameters()`` order), padded as :class:`scape.buffers.Bucket` pads."""
-    spans, off = [], 0
-    for name, p in model.named_parameters():
-        spans.append((name, off, off + p.numel()))
-        off += p.numel()
-    n_pad = -(-off // (world * block_size)) * world * block_size
-    return n_pad // world, spans
+    flat buffer (``model.parameters()`` order), laid out as :class:`scape.buffers.Bucket`
+    lays them out (:func:`scape.buffers.flat_layout`)."""
+    names, params = zip(*model.named_parameters())
+    _, offsets, n_pad = flat_layout(params, world * block_size)
+    return n_pad // world, list(zip(names, offsets[:-1], offsets[1:]))
 
 
 def summarize(lines: list[dict[str, Any]], model: torch.nn.Module, world: int,
