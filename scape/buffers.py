@@ -1,6 +1,7 @@
 """Flat parameter and gradient buffers, and the shard each rank owns.
 
-One :class:`Bucket` per (param group, dtype). Its parameters become views into one flat
+One :class:`Bucket` per (param group, dtype), and one more per dtype for parameters set apart
+within their group (:mod:`scape.embeddings`). Its parameters become views into one flat
 buffer of the model dtype (``param_flat``), so the parameter all-gather writes straight into
 the model. Gradients land in one flat fp32 buffer (``grad_flat``) that also holds the
 error-feedback residual:
@@ -46,11 +47,14 @@ class Bucket:
     """The flat buffers of one param group and dtype, and this rank's shard of them."""
 
     def __init__(self, params: Sequence[torch.nn.Parameter], group: int, world: int, rank: int,
-                 align: int) -> None:
+                 align: int, apart: bool = False) -> None:
         if not params:
             raise ValueError("a bucket needs at least one parameter")
         self.params = list(params)
         self.group = group
+        self.apart = apart
+        """Whether these parameters were set apart from the rest of their group (SCAPE's
+        embedding matrices: :mod:`scape.embeddings`)."""
         self.dtype = params[0].dtype
         self.device = params[0].device
         self.numels, self.offsets, self.n_pad = flat_layout(params, world * align)

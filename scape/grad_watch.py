@@ -19,7 +19,7 @@ Assigning a new tensor to ``p.grad`` is not a write: ``step()`` adds it into the
 With clipping on, the pre-accumulation hook also counts the norm of each incoming gradient,
 per parameter, summed over the micro-batches of the step (:meth:`GradWatch.fresh_sumsq`):
 the local *fresh* gradient, without the residual, which the dense-comparable clipping norm
-needs (:mod:`scape.sharded`).
+needs (:func:`clip_norm`, which turns the step's all-reduced sums into that norm).
 """
 
 from __future__ import annotations
@@ -107,3 +107,20 @@ def _post_hook(ref: Any, i: int) -> Any:
         if watch is not None:
             watch.expected[i] = watch.buckets[i].grad_flat._version
     return hook
+
+
+def clip_norm(stats: torch.Tensor, world: int) -> torch.Tensor:
+    """The gradient norm that clipping compares with ``max_grad_norm``, from the step's
+    all-reduced ``stats`` = [sum of squares of the synchronized gradient, non-finite count,
+    the part of the first on sparse buckets (A), the ranks' own sums of squares of what they
+    sent there (W * B), the ranks' fresh-gradient sums of squares there (W * F)].
+
+    On a dense bucket it is exact: the norm of the averaged gradient, as DDP + AdamW clips.
+    On a sparse bucket only the sent coordinates are averaged, and they carry the residual
+    too; the norm a dense step would see is estimated as ``rho * F``: the ranks' mean squared
+    norm of this step's own gradient (counted as backward produces it, without the residual)
+    times how much averaging shrank what was sent, ``rho = A / B`` in ``[1/W, 1]`` (1 when
+    the ranks' gradients agree, 1/W when they are independent noise)."""
+    a, b, f = stats[2], stats[3] / world, stats[4] / world
+    rho = torch.where(b > 0, a / b.clamp(min=1e-30), torch.ones_like(a)).clamp(1.0 / world, 1.0)
+    return ((stats[0] - a).clamp(min=0) + rho * f).sqrt()

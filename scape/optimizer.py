@@ -29,12 +29,14 @@ from typing import Any
 
 import torch
 
-from scape import config, rules
+from scape import config, embeddings, rules
+from scape.agreement import agree, digest
 from scape.buffers import DENSE_ALIGN, Bucket
 from scape.checkpoint import load_sharded_state, sharded_state
 from scape.comm import Communicator, HierarchicalCommunicator
 from scape.dcp import is_torch_state_dict, load_torch_state_dict, torch_state_dict
 from scape.kernels import adams_dense_, blockwise_topk, scatter_, take_
+from scape.masks import MaskState, fit_mask, on_device
 from scape.optim_hooks import load_state_dict_hooks, state_dict_hooks
 from scape.profiling import phase
 from scape.rules import ShardState, block_budget
@@ -44,25 +46,6 @@ from scape.two_level import NodeLevel
 DIAG_FULL_EVERY = 10
 """Diagnostics that read the whole shard (``updated_last_100``) refresh this often; the
 O(K) ones (``mask_overlap``, ``residual_norm``) every step."""
-
-
-class _MaskState:
-    """Masks of one sparse bucket: the one used last and the next one (maybe in flight)."""
-
-    def __init__(self, k: int, k_explore: int, n_blocks: int, n_local: int) -> None:
-        self.k, self.k_explore = k, k_explore  # the budget of the next mask made
-        self.n_blocks, self.n_local = n_blocks, n_local
-        self.current: torch.Tensor | None = None  # mask of the last sparse step [n_blocks, k]
-        self.next: torch.Tensor | None = None  # mask for the next sparse step [n_blocks, k]
-        self.work: Any = None  # the all-gather filling `next`, if still in flight
-        self.local: torch.Tensor | None = None  # this rank's rows of `next`
-        self.made: torch.Tensor | None = None  # the next local mask, made before the take
-
-    def wait(self) -> torch.Tensor | None:
-        if self.work is not None:
-            self.work.wait()
-            self.work = None
-        return self.next
 
 
 class SCAPE(ShardedOptimizer):
@@ -120,22 +103,41 @@ class SCAPE(ShardedOptimizer):
         super().__init__(params, defaults, comm=comm, block_size=block_size,
                          max_grad_norm=max_grad_norm, grad_comm_dtype=grad_comm_dtype,
                          global_fields=fields)
-        self.masks: list[_MaskState | None] = []
-        self.diagnostics: list[dict[str, torch.Tensor]] = []
+
+    def _build_layout(self, apart: frozenset[int]) -> None:
+        super()._build_layout(apart)
+        self._share = [embeddings.share_of_blocks(self.buckets, gi)
+                       for gi in range(len(self.param_groups))]
+        """Per group, its embedding matrices' share of its blocks (0.0: none set apart)."""
+        self.masks: list[MaskState | None] = []
         for b in self.buckets:
-            sp = self.param_groups[b.group]["sparsity"]
-            if sp > 0:
-                k, kx = block_budget(sp, block_size, self.explore)
-                n_local = b.shard_size // block_size
-                self.masks.append(_MaskState(k, kx, n_local * b.world, n_local))
-            else:
-                self.masks.append(None)
-            self.diagnostics.append({})
+            n_local = b.shard_size // self.block_size
+            sparse = self.param_groups[b.group]["sparsity"] > 0
+            self.masks.append(MaskState(*self._budget(b), n_local * b.world, n_local)
+                              if sparse else None)
+        self.diagnostics: list[dict[str, torch.Tensor]] = [{} for _ in self.buckets]
         self._take_bufs: list[torch.Tensor | None] = [None] * len(self.buckets)
         self._node: NodeLevel | None = None
         """Two levels (:mod:`scape.two_level`): the node's residuals over this rank's slice."""
         if isinstance(self.comm, HierarchicalCommunicator):
             self._node = NodeLevel(self.comm, self.buckets, [m is not None for m in self.masks])
+
+    def attach(self, model: torch.nn.Module) -> Any:
+        """:meth:`ShardedOptimizer.attach`; with ``update="early"``, before the first step,
+        it first gives ``model``'s embedding matrices a bucket of their own in each sparse
+        group and a larger share of the group's bytes (:mod:`scape.embeddings`). Collective
+        then: every rank attaches the same model."""
+        rule = self.rule
+        if rule is not None and rule.embeddings_apart and self._step == 0 \
+                and not any(b.apart for b in self.buckets):
+            sparse = [g["sparsity"] > 0 for g in self.param_groups]
+            apart = embeddings.to_set_apart(model, self._trainable, sparse)
+            at = [i for i, p in enumerate(p for ps in self._trainable for p in ps)
+                  if id(p) in apart]
+            agree(self.comm, {"embedding_params": digest(at)}, None, what=f"{self._name}.attach")
+            if apart:
+                self._build_layout(apart)
+        return super().attach(model)
 
     @property
     def explore(self) -> float:
@@ -276,10 +278,18 @@ class SCAPE(ShardedOptimizer):
             for s in self.shards:
                 self.rule.reset(s)
 
-    def _set_budget(self, b: Bucket, mask: _MaskState) -> None:
-        """The next mask's ``k`` and ``k_explore`` from the group's sparsity now."""
-        mask.k, mask.k_explore = block_budget(self.param_groups[b.group]["sparsity"],
-                                              self.block_size, self.explore)
+    def _budget(self, b: Bucket) -> tuple[int, int]:
+        """A mask's ``k`` and ``k_explore`` from its group's sparsity now (the embeddings' or
+        the rest's share of it where they have buckets of their own)."""
+        k, kx = block_budget(self.param_groups[b.group]["sparsity"], self.block_size,
+                             self.explore)
+        if self._share[b.group]:
+            k = embeddings.split_budget(k, self.block_size, self._share[b.group])[not b.apart]
+            kx = rules.round_half_up(self.explore * k)
+        return k, kx
+
+    def _set_budget(self, b: Bucket, mask: MaskState) -> None:
+        mask.k, mask.k_explore = self._budget(b)
 
     def _undo_ahead(self) -> None:
         for s, m in zip(self.shards, self.masks):
@@ -350,7 +360,7 @@ class SCAPE(ShardedOptimizer):
             if node is not None:  # the node's sum -> its mean, so that the average across
                 c = c.div_(node.per_node).to(self.grad_comm_dtype)  # nodes is every rank's
                 taken = None if taken is None else taken / float(node.per_node ** 2)
-            self._sent_sumsq[i] = taken  # for the clipping norm (scape.sharded.clip_norm)
+            self._sent_sumsq[i] = taken  # for the clipping norm (scape.grad_watch.clip_norm)
         self._take_bufs[i] = c
         g = torch.empty(mask_state.n_local * mask.shape[1], dtype=self.grad_comm_dtype,
                         device=b.device)
@@ -472,28 +482,7 @@ class SCAPE(ShardedOptimizer):
                 continue
             self._set_budget(b, m)
             m.work = None
-            m.next = _fit_mask(_on(extra.get("mask_next"), b.device), m, self.block_size)
-            m.current = _fit_mask(_on(extra.get("mask_current"), b.device), m, self.block_size)
+            m.next = fit_mask(on_device(extra.get("mask_next"), b.device), m, self.block_size)
+            m.current = fit_mask(on_device(extra.get("mask_current"), b.device), m, self.block_size)
             m.local = None if m.next is None else \
                 m.next[self.comm.rank * m.n_local:(self.comm.rank + 1) * m.n_local]
-
-
-def _on(t: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
-    return None if t is None else t.to(device)
-
-
-def _fit_mask(mask: torch.Tensor | None, m: _MaskState,
-              block_size: int) -> torch.Tensor | None:
-    """A saved mask on this world size's block count: extra padding blocks select 0..k-1.
-    It keeps its own ``k`` (the sparsity it was made at)."""
-    if mask is None:
-        return None
-    k = mask.shape[1]
-    if not 1 <= k <= block_size or bool((mask < 0).any()) or \
-            bool((mask >= block_size).any()):
-        raise ValueError(f"checkpoint mask has {k} coordinates per block with offsets outside "
-                         f"[0, {block_size}) (block_size changed?)")
-    if mask.shape[0] >= m.n_blocks:
-        return mask[: m.n_blocks].contiguous()
-    pad = torch.arange(k, dtype=torch.int16).expand(m.n_blocks - mask.shape[0], k)
-    return torch.cat([mask, pad.to(mask.device)]).contiguous()

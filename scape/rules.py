@@ -138,6 +138,9 @@ class Rule:
     explore: float = 0.1
     """Fraction of each block's budget taken by age (the longest-waiting coordinates) instead
     of by ``score``: every coordinate is sent now and then, whatever its score."""
+    embeddings_apart: bool = False
+    """With :meth:`scape.SCAPE.attach`, the embedding matrices get a bucket of their own in
+    their group and a larger share of its bytes (:mod:`scape.embeddings`)."""
     error_feedback: bool = True
     """Keep what a sparse step did not send in the gradient buffer for later steps (False:
     drop it, so ``g`` is this step's gradient alone)."""
@@ -433,7 +436,7 @@ RULES: dict[str, Rule] = {
     "early": dataclasses.replace(gain_selected(_early_update, _early_score,
                                                select=_early_select,
                                                observe_select=_early_observe_select),
-                                 observe=_early_observe),
+                                 observe=_early_observe, embeddings_apart=True),
     "sqrt": Rule(catchup_sqrt, accumulated_score),
     "lazy": Rule(lazy),
 }

@@ -26,30 +26,13 @@ from scape import config, faults
 from scape.agreement import agree, digest, tensor_digest
 from scape.buffers import Bucket
 from scape.comm import CommError, Communicator, as_communicator
-from scape.grad_watch import GradWatch
+from scape.grad_watch import GradWatch, clip_norm
 from scape.kernels import grad_stats
 from scape.optim_hooks import refuse_copy
 from scape.param_state import param_state
 from scape.profiling import phase
 from scape.step_info import StepInfo
 from scape.wrappers import check_not_wrapped
-
-
-def clip_norm(stats: torch.Tensor, world: int) -> torch.Tensor:
-    """The gradient norm that clipping compares with ``max_grad_norm``, from the step's
-    all-reduced ``stats`` = [sum of squares of the synchronized gradient, non-finite count,
-    the part of the first on sparse buckets (A), the ranks' own sums of squares of what they
-    sent there (W * B), the ranks' fresh-gradient sums of squares there (W * F)].
-
-    On a dense bucket it is exact: the norm of the averaged gradient, as DDP + AdamW clips.
-    On a sparse bucket only the sent coordinates are averaged, and they carry the residual
-    too; the norm a dense step would see is estimated as ``rho * F``: the ranks' mean squared
-    norm of this step's own gradient (counted as backward produces it, without the residual)
-    times how much averaging shrank what was sent, ``rho = A / B`` in ``[1/W, 1]`` (1 when
-    the ranks' gradients agree, 1/W when they are independent noise)."""
-    a, b, f = stats[2], stats[3] / world, stats[4] / world
-    rho = torch.where(b > 0, a / b.clamp(min=1e-30), torch.ones_like(a)).clamp(1.0 / world, 1.0)
-    return ((stats[0] - a).clamp(min=0) + rho * f).sqrt()
 
 _GRAD_COMM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -110,27 +93,34 @@ class ShardedOptimizer(torch.optim.Optimizer):
         fields = self._fingerprint(groups_trainable, global_fields, error is None)
         agree(self.comm, fields, error, what=self._name)
 
-        world, rank = self.comm.world_size, self.comm.rank
-        self.buckets: list[Bucket] = []
-        for gi, trainable in enumerate(groups_trainable):
-            by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-            for p in trainable:
-                by_dtype.setdefault(p.dtype, []).append(p)
-            for ps in by_dtype.values():
-                align = self._bucket_align(self.param_groups[gi])
-                self.buckets.append(Bucket(ps, gi, world, rank, align))  # type: ignore[arg-type]
-        self.shards = [self._init_shard(b) for b in self.buckets]
-        self._watch = GradWatch(self.buckets, count_norms=max_grad_norm is not None)
-        self._sent_sumsq: list[torch.Tensor | None] = [None] * len(self.buckets)
+        self._trainable = groups_trainable
         self._norm_out: torch.Tensor | None = None
-        self._owned = {id(p) for b in self.buckets for p in b.params}
         self._wrap_checked = False
-        self.state = param_state(self.buckets, self.shards, self._state_tensors)
-        """Per-parameter views of what this rank holds (:mod:`scape.param_state`)."""
         self._step = 0
         self._pending: list[_Pending] = []
         self._attached = False
         self.last_step = StepInfo()
+        self._build_layout(frozenset())
+
+    def _build_layout(self, apart: frozenset[int]) -> None:
+        """The buckets and what is kept per bucket, from the parameters alone (before the
+        first step). One bucket per (param group, dtype); the parameters whose ids are in
+        ``apart`` get one of their own within their group (:mod:`scape.embeddings`)."""
+        world, rank = self.comm.world_size, self.comm.rank
+        self.buckets: list[Bucket] = []
+        for gi, trainable in enumerate(self._trainable):
+            by_key: dict[tuple[torch.dtype, bool], list[torch.Tensor]] = {}
+            for p in trainable:
+                by_key.setdefault((p.dtype, id(p) in apart), []).append(p)
+            align = self._bucket_align(self.param_groups[gi])
+            for (_, own), ps in by_key.items():
+                self.buckets.append(Bucket(ps, gi, world, rank, align, own))  # type: ignore[arg-type]
+        self.shards = [self._init_shard(b) for b in self.buckets]
+        self._watch = GradWatch(self.buckets, count_norms=self.max_grad_norm is not None)
+        self._sent_sumsq: list[torch.Tensor | None] = [None] * len(self.buckets)
+        self._owned = {id(p) for b in self.buckets for p in b.params}
+        self.state = param_state(self.buckets, self.shards, self._state_tensors)
+        """Per-parameter views of what this rank holds (:mod:`scape.param_state`)."""
         self.last_sync: list[dict[str, torch.Tensor | None]] = [{} for _ in self.buckets]
         """Per bucket, what the last applied step synchronized for this rank's shard: ``g``
         (the averaged fp32 gradient it received, before clipping) and ``mask`` (the mask of
@@ -332,7 +322,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         ``max_grad_norm=``; call it on every rank, with the same value) and return a 0-dim
         tensor that ``step()`` fills with this step's norm before clipping (read it after
         ``step()``; ``opt.last_step.grad_norm`` holds it too). What the norm is on a sparse
-        step: :func:`clip_norm`. ``torch.nn.utils.clip_grad_norm_`` on the model's
+        step: :func:`scape.grad_watch.clip_norm`. ``torch.nn.utils.clip_grad_norm_`` on the model's
         parameters would scale the error-feedback residual, and ``step()`` refuses it."""
         if norm_type != 2.0:
             raise ValueError(f"Invalid norm_type: {norm_type!r} (only the 2-norm is supported)")

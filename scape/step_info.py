@@ -23,7 +23,7 @@ class StepInfo:
     grad_norm: torch.Tensor | None = None
     """Gradient norm before clipping (0-dim tensor). With clipping on (``max_grad_norm`` or
     ``opt.clip_grad_norm_``) the dense-comparable norm on every step: exact on a dense step,
-    estimated on a sparse one (:func:`scape.sharded.clip_norm`). Without clipping, the norm
+    estimated on a sparse one (:func:`scape.grad_watch.clip_norm`). Without clipping, the norm
     of what the step synchronized: on a sparse step, the sent coordinates only."""
     bytes: dict[str, int] = dataclasses.field(default_factory=dict)
     """Payload bytes this step put on the wire, by collective (from ``comm.stats``)."""

@@ -36,7 +36,7 @@ from scape.kernels import grad_stats
 
 class NodeLevel:
     """Per sparse bucket, the node's residual over this rank's slice, and the norm of the
-    node's fresh gradient (for clipping, :func:`scape.sharded.clip_norm`)."""
+    node's fresh gradient (for clipping, :func:`scape.grad_watch.clip_norm`)."""
 
     def __init__(self, comm: HierarchicalCommunicator, buckets: list[Bucket],
                  sparse: list[bool]) -> None:
