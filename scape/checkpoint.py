@@ -32,7 +32,8 @@ def sharded_state(opt: Any, extra_per_bucket: list[dict[str, Any]]) -> dict[str,
     opt.check_usable()  # never save the state of a step whose collectives failed
     buckets = []
     for i, (b, s, extra) in enumerate(zip(opt.buckets, opt.shards, extra_per_bucket)):
-        entry = {"group": b.group, "dtype": str(b.dtype), "numel": b.numel, "n_pad": b.n_pad,
+        entry = {"group": b.group, "apart": b.apart, "dtype": str(b.dtype), "numel": b.numel,
+                 "n_pad": b.n_pad,
                  "shapes": [list(p.shape) for p in b.params],
                  "shard_start": b.shard_start, "shard_size": b.shard_size,
                  "residual": opt._residual(i),
@@ -56,6 +57,11 @@ def _check_structure(opt: Any, sd: dict[str, Any]) -> None:
     check_layout(opt, sd["optimizer"], sd["param_groups"], sd["block_size"], sd["buckets"])
 
 
+_APART_HINT = (" (with update='early', attach(model) before the first step gives the embedding "
+               "matrices buckets of their own: build and attach the optimizer as the one that "
+               "saved did, then load)")
+
+
 def check_layout(opt: Any, optimizer: str, groups: list[dict[str, Any]], block_size: int,
                  buckets: list[dict[str, Any]]) -> None:
     """Raise ``ValueError`` naming what differs if a saved state's optimizer, param groups,
@@ -75,10 +81,15 @@ def check_layout(opt: Any, optimizer: str, groups: list[dict[str, Any]], block_s
             raise ValueError(f"param group {i}: saved sparsity {sp!r} does not fit this "
                              f"optimizer's {live['sparsity']!r} (a sparse group stays sparse "
                              "and a dense one dense; the value itself is restored, like lr)")
+    apart = [bool(e.get("apart", False)) for e in buckets]  # a state saved without it: none
+    hint = _APART_HINT if any(apart) or any(b.apart for b in opt.buckets) else ""
     if len(buckets) != len(opt.buckets):
         raise ValueError(f"state dict has {len(buckets)} buckets (param group x dtype), "
-                         f"the optimizer has {len(opt.buckets)}")
+                         f"the optimizer has {len(opt.buckets)}{hint}")
     for i, (e, b) in enumerate(zip(buckets, opt.buckets)):
+        if apart[i] != b.apart:
+            raise ValueError(f"bucket {i} differs: it holds embedding matrices set apart in "
+                             f"{'the state dict' if apart[i] else 'the optimizer'} only{hint}")
         if (e["group"], e["dtype"], e["numel"]) != (b.group, str(b.dtype), b.numel):
             raise ValueError(
                 f"bucket {i} differs: state dict has group {e['group']}, {e['dtype']}, "

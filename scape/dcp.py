@@ -211,7 +211,8 @@ def torch_state_dict(opt: Any, bucket_extras: list[dict[str, torch.Tensor | None
             entry["residual"] = own if world == 1 else _sharded(
                 own, [[r, 0] for r in range(world)], [[1, n]] * world, [world, n], rank, ranks)
             state[pid[p]] = entry
-        buckets.append({"group": b.group, "dtype": str(b.dtype), "numel": b.numel,
+        buckets.append({"group": b.group, "apart": b.apart, "dtype": str(b.dtype),
+                        "numel": b.numel,
                         "shapes": [list(p.shape) for p in b.params],
                         **{k: _to_bytes(v) for k, v in extras.items()}})
     groups = []
@@ -296,7 +297,7 @@ def load_torch_state_dict(opt: Any, sd: dict[str, Any]
         dest.copy_(src)
     finish_load(opt, info["step"], info["counters"], sd["param_groups"], skip=("params", KEY))
     return [{k: _from_bytes(v) for k, v in e.items()
-             if k not in ("group", "dtype", "numel", "shapes") and v is not None}
+             if k not in ("group", "apart", "dtype", "numel", "shapes") and v is not None}
             for e in info["buckets"]]
 
 

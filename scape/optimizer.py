@@ -64,8 +64,9 @@ class SCAPE(ShardedOptimizer):
         update: how a sent coordinate is updated and how masks are chosen: ``"auto"`` (the
             best quality measured at a tuned lr; 16 B of state per shard coordinate),
             ``"robust"`` (an lr above the tuned one), ``"early"`` (short runs, with
-            ``warmup_steps=1`` and :class:`scape.SparsityRamp`), ``"sqrt"`` (no extra state),
-            ``"lazy"`` (the baseline), or a name added with :func:`scape.rules.register`
+            ``warmup_steps=1`` and :class:`scape.SparsityRamp`; with :meth:`attach` it sends
+            the embedding matrices more often: :mod:`scape.embeddings`), ``"sqrt"`` (no extra
+            state), ``"lazy"`` (the baseline), or a name added with :func:`scape.rules.register`
             (:mod:`scape.rules` says what each does).
         block_size: coordinates per mask block (power of two in [256, 32768]); each block
             sends ``max(1, round((1 - sparsity) * block_size))`` coordinates per step.
