@@ -279,11 +279,11 @@ class SCAPE(ShardedOptimizer):
             for s in self.shards:
                 self.rule.reset(s)
 
-    def _budget(self, b: Bucket) -> tuple[int, int]:
-        """A mask's ``k`` and ``k_explore`` from its group's sparsity now (the embeddings' or
-        the rest's share of it where they have buckets of their own)."""
-        k, kx = block_budget(self.param_groups[b.group]["sparsity"], self.block_size,
-                             self.explore)
+    def _budget(self, b: Bucket, sparsity: float | None = None) -> tuple[int, int]:
+        """A mask's ``k`` and ``k_explore`` from its group's sparsity (now, or ``sparsity``):
+        the embeddings' or the rest's share of it where they have buckets of their own."""
+        sp = self.param_groups[b.group]["sparsity"] if sparsity is None else sparsity
+        k, kx = block_budget(sp, self.block_size, self.explore)
         if self._share[b.group]:
             k = embeddings.split_budget(k, self.block_size, self._share[b.group])[not b.apart]
             kx = rules.round_half_up(self.explore * k)

@@ -29,7 +29,6 @@ import math
 from typing import TYPE_CHECKING, Any
 
 from scape import config
-from scape.rules import block_budget
 
 if TYPE_CHECKING:
     from scape.optimizer import SCAPE
@@ -86,7 +85,9 @@ def run_bytes(opt: SCAPE, total_steps: int, *, start: float | None = None,
     ``ramp_steps`` (no ramp when ``start`` is None). Dense AdamS sends ``N (b_g + b_p) + 8``
     a step: the same wire dtypes, no padding. Exact for every rank's payload, as
     ``opt.last_step.bytes`` counts it (ring factors aside); a group whose sparsity changes
-    otherwise is not foreseen. Raises ``ValueError`` for a two-level optimizer.
+    otherwise is not foreseen. A group whose embedding matrices are set apart
+    (:mod:`scape.embeddings`) counts each bucket's own budget. Raises ``ValueError`` for a
+    two-level optimizer.
     """
     _check_opt(opt)
     config.check_int("total_steps", total_steps, 1)
@@ -111,9 +112,9 @@ def run_bytes(opt: SCAPE, total_steps: int, *, start: float | None = None,
             if opt.masks[i] is None or dense_step:
                 sent += b.n_pad * (b_g + b_p)
             else:  # the mask made at step t - 1
-                sent += b.n_pad // bsz * _k(sparsity(b.group, t - 1), opt) * (b_g + b_p)
+                sent += b.n_pad // bsz * opt._budget(b, sparsity(b.group, t - 1))[0] * (b_g + b_p)
             if opt.masks[i] is not None and t >= w and not next_dense:
-                sent += b.n_pad // bsz * _k(sparsity(b.group, t), opt) * 2  # the next mask
+                sent += b.n_pad // bsz * opt._budget(b, sparsity(b.group, t))[0] * 2  # next mask
     return sent / dense_total
 
 
@@ -199,6 +200,3 @@ def _ends(opt: Any, ends: list[float] | None) -> list[float]:
         raise ValueError(f"ends: {len(ends)} values for {len(opt.param_groups)} param groups")
     return [float(e) for e in ends]
 
-
-def _k(sparsity: float, opt: Any) -> int:
-    return block_budget(sparsity, opt.block_size, 0.0)[0]

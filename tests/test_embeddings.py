@@ -220,3 +220,27 @@ def test_ranks_that_set_apart_different_tensors_raise_on_every_rank():
     outcomes = run_ranks_outcomes(_disagree_body, 2, timeout=120)
     for o in outcomes:
         assert not o.ok and "embedding_params" in o.error, o
+
+
+@pytest.mark.parametrize("sparsity", [0.9, 0.99])
+def test_run_bytes_counts_each_bucket_budget(sparsity):
+    """The bytes formula (``scape.schedules.run_bytes``) follows the split step by step, and
+    the split sends about what one group sends."""
+    model = Tiny()
+    opt = _opt(model, sparsity=sparsity)
+    one_group = scape.schedules.run_bytes(_opt(Tiny(), sparsity=sparsity), 12, start=0.5,
+                                          ramp_steps=5)
+    opt.attach(model)
+    assert any(b.apart for b in opt.buckets)
+    predicted = scape.schedules.run_bytes(opt, 12, start=0.5, ramp_steps=5)
+    sched = scape.SparsityRamp(opt, start=0.5, ramp_steps=5)
+    g, sent = torch.Generator().manual_seed(8), 0
+    for _ in range(12):
+        _loss(model, g).backward()
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+        sent += sum(opt.last_step.bytes.values())
+    n = sum(p.numel() for p in model.parameters())
+    assert predicted * 12 * (8 * n + 8) == pytest.approx(sent, rel=1e-12)
+    assert predicted == pytest.approx(one_group, rel=0.1)
