@@ -107,8 +107,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         first step). One bucket per (param group, dtype); the parameters whose ids are in
         ``apart`` get one of their own within their group (:mod:`scape.embeddings`)."""
         world, rank = self.comm.world_size, self.comm.rank
-        if hasattr(self, "_watch"):  # a layout rebuilt: the old one's hooks go
-            self._watch.remove()
+        old_watch: GradWatch | None = getattr(self, "_watch", None)
+        if old_watch is not None:  # a layout rebuilt: the old one's hooks go
+            old_watch.remove()
         self.buckets: list[Bucket] = []
         for gi, trainable in enumerate(self._trainable):
             by_key: dict[tuple[torch.dtype, bool], list[torch.Tensor]] = {}
