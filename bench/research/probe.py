@@ -1,7 +1,8 @@
 """``early_probe``: ``early`` bit for bit, recording per block what its catch-ups did.
 
 A diagnostic for where a one-group run lags (docs/research.md, "What `early`'s catch-ups do
-per matrix"). Before each update it reads, for every sent coordinate, the wait ``a + 1``, the steps
+per matrix"); as it was measured, with one bucket per group (``early`` without ``attach``:
+the embedding matrices are not set apart, :mod:`scape.embeddings`). Before each update it reads, for every sent coordinate, the wait ``a + 1``, the steps
 the agreement catch-up asks for (``(a + 1) * erf(...)``, :func:`scape.rules.catchup_agree`)
 and its bound (``max(sqrt(a + 1), c * rms_b / lr)``, ``c`` from
 :func:`scape.rules.early_trust`), and sums per block of the shard: coordinates sent, waits,
@@ -97,7 +98,7 @@ def _write(key: str, acc: torch.Tensor, n: int, numel: int) -> None:
                             **{k: acc[i].tolist() for i, k in enumerate(FIELDS)}}) + "\n")
 
 
-PROBE: Rule = dataclasses.replace(RULES["early"], update=probe_update)
+PROBE: Rule = dataclasses.replace(RULES["early"], update=probe_update, embeddings_apart=False)
 """``early`` with the probe's update (its fused pass before the take kept)."""
 
 

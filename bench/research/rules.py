@@ -26,6 +26,9 @@ their catch-up by half the steps of their last wait (:func:`lead_update`). ``ear
 ``early`` bit for bit, recording per block what its catch-ups did (:mod:`bench.research.probe`).
 ``early_steady``: ``early`` whose bound widens with each sent coordinate's agreement
 (:func:`steady_update`); ``early_steady_w``: at most twice, once the lr stops rising.
+The ``early_*`` rules keep one bucket per param group (``embeddings_apart=False``, as when they
+were measured): ``early`` with ``attach(model)`` sets the embedding matrices apart, and is ``early``
+bit for bit only without (:mod:`scape.embeddings`), as ``_trust28_gain_b98w`` is.
 """
 
 from __future__ import annotations
@@ -217,7 +220,8 @@ def early_lead_rule(lead: float = LEAD) -> Rule:
     """``early`` with :func:`lead_update` (its three passes before the take unfused: the
     update reads the ages before they advance)."""
     return dataclasses.replace(RULES["early"], update=functools.partial(lead_update, lead=lead),
-                               observe_select=None, extra=GAIN_STATE + ("lead",))
+                               observe_select=None, extra=GAIN_STATE + ("lead",),
+                               embeddings_apart=False)
 
 
 STEADY_FLOOR = 0.25
@@ -258,7 +262,8 @@ def early_steady_rule(floor: float = STEADY_FLOOR, after_rise: bool = False) -> 
     """``early`` with :func:`steady_update` (its passes before the take unfused: the update
     reads the ages before they advance)."""
     update = functools.partial(steady_update, floor=floor, after_rise=after_rise)
-    return dataclasses.replace(RULES["early"], update=update, observe_select=None)
+    return dataclasses.replace(RULES["early"], update=update, observe_select=None,
+                               embeddings_apart=False)
 
 
 RESEARCH_RULES: dict[str, Rule] = {
@@ -296,7 +301,8 @@ RESEARCH_RULES: dict[str, Rule] = {
     "catchup_agree_trust26_gain_b98w": BetaAfterLrWarmup(0.5, 0.98, trust_dense=1 / 6).rule(),
     "catchup_agree_trust28_gain_b98w": BetaAfterLrWarmup(0.5, 0.98, trust_dense=0.125).rule(),
     "catchup_agree_trust2cap_gain_b98w": BetaAfterLrWarmup(0.5, 0.98, trust_dense=0.0).rule(),
-    "early_decay": dataclasses.replace(RULES["early"], update=early_decay_update),
+    "early_decay": dataclasses.replace(RULES["early"], update=early_decay_update,
+                                       embeddings_apart=False),
     "early_lead": early_lead_rule(),
     "early_steady": early_steady_rule(),
     "early_steady_w": early_steady_rule(0.5, after_rise=True),  # at most 2x, after the rise
