@@ -2,14 +2,15 @@
 
 A diagnostic for where a one-group run lags (docs/research.md, "What `early`'s catch-ups do
 per matrix"); as it was measured, with one bucket per group (``early`` without ``attach``:
-the embedding matrices are not set apart, :mod:`scape.embeddings`). Before each update it reads, for every sent coordinate, the wait ``a + 1``, the steps
-the agreement catch-up asks for (``(a + 1) * erf(...)``, :func:`scape.rules.catchup_agree`)
-and its bound (``max(sqrt(a + 1), c * rms_b / lr)``, ``c`` from
-:func:`scape.rules.early_trust`), and sums per block of the shard: coordinates sent, waits,
-steps asked, steps taken, sends the bound cut. Every :data:`WINDOW` sparse steps the sums
-are written to ``$SCAPE_PROBE_DIR/rank<r>_b<bucket>.jsonl`` (one line per window) and
-restarted. The update itself is ``early``'s, so a run with the probe trains the same
-parameters as one without (torch ops read the same state; nothing is written back).
+the embedding matrices are not set apart, :mod:`scape.embeddings`). Before each update it
+reads, for every sent coordinate, the wait ``a + 1``, the steps the agreement catch-up asks
+for (``(a + 1) * erf(...)``, :func:`scape.rules.catchup_agree`) and its bound (``max(sqrt(a +
+1), c * rms_b / lr)``, ``c`` from :func:`scape.rules.early_trust`), and sums per block of the
+shard: coordinates sent, waits, steps asked, steps taken, sends the bound cut. Every
+:data:`WINDOW` sparse steps the sums are written to ``$SCAPE_PROBE_DIR/rank<r>_b<bucket>.jsonl``
+(one line per window) and restarted. The update itself is ``early``'s, so a run with the
+probe trains the same parameters as one without (torch ops read the same state; nothing is
+written back).
 
     SCAPE_PROBE_DIR=/tmp/probe python -m bench.lr_sweep --workloads gpt --steps 2000 \\
         --warmup-steps 1 --seeds 0 --optimizers adams scape-0.9-ramp0.5x20@early_probe \\
