@@ -179,7 +179,7 @@ def test_a_state_dict_needs_the_same_layout(tmp_path):
         assert torch.equal(p.detach(), q.detach())
 
 
-def _train_body(rank: int, world: int, resume_at: int | None) -> list[torch.Tensor]:
+def _train_body(rank: int, world: int, resume_at: int | None) -> list:
     model = Tiny()
     opt = _opt(model, sparsity=0.8)
     opt.attach(model)
@@ -197,12 +197,14 @@ def _train_body(rank: int, world: int, resume_at: int | None) -> list[torch.Tens
         opt.zero_grad()
     opt.finish_param_sync()
     assert any(b.apart for b in opt.buckets)
-    return [p.detach().clone() for p in model.parameters()]
+    return [p.detach().numpy().copy() for p in model.parameters()]  # by value through the queue
 
 
 def test_ranks_train_on_the_split_and_resume_bit_exact():
-    straight = run_ranks(_train_body, 2, None, timeout=180)
-    resumed = run_ranks(_train_body, 2, 4, timeout=180)
+    straight = [[torch.from_numpy(a) for a in r] for r in run_ranks(_train_body, 2, None,
+                                                                      timeout=180)]
+    resumed = [[torch.from_numpy(a) for a in r] for r in run_ranks(_train_body, 2, 4,
+                                                                     timeout=180)]
     for a, b in zip(straight[0], straight[1]):
         assert torch.equal(a, b)  # every rank holds the same parameters
     for a, b in zip(straight[0], resumed[0]):
