@@ -18,8 +18,8 @@ the group's blocks, the embeddings' budget per block is::
 
 (so that ``early`` keeps the group's catch-up bound and EMAs there), at most what gives them
 half of the group's bytes and at least ``k``; the rest of the group takes what is left,
-``k_r = (k - f k_e) / (1 - f)``. At 0.9 that is 0.5 for the embeddings and about 0.93 for the
-rest; at 0.99, 0.98 and about 0.9906.
+``k_r = (k - f k_e) / (1 - f)``. With the embeddings 6% of the group's blocks, at 0.9 that is
+0.5 for the embeddings and 0.924 for the rest; at 0.99, 0.98 and 0.9907.
 """
 
 from __future__ import annotations

@@ -95,7 +95,7 @@ def test_attach_sets_the_embeddings_apart_and_keeps_values_and_grads():
     apart = [b for b in opt.buckets if b.apart]
     assert len(opt.buckets) == 2 and len(apart) == 1
     assert apart[0].params == [model.emb.weight]  # the tied head is the same tensor
-    for p, v, gr, in zip(model.parameters(), before, grads):
+    for p, v, gr in zip(model.parameters(), before, grads):
         assert torch.equal(p.detach(), v) and torch.equal(p.grad, gr)
         b = next(b for b in opt.buckets if any(q is p for q in b.params))
         assert b.param_flat.data_ptr() <= p.data_ptr() < b.param_flat.data_ptr() + 4 * b.n_pad
