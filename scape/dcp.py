@@ -115,7 +115,10 @@ def _owned_slices(base: type) -> type:
             return super().to(*args, **kwargs)
 
         def __reduce_ex__(self, protocol: Any) -> Any:  # torch.save, pickle, deepcopy
-            parts = [(list(sh.metadata.shard_offsets), sh.tensor) for sh in self.local_shards()]
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)
+                shards = self.local_shards()
+            parts = [(list(sh.metadata.shard_offsets), sh.tensor) for sh in shards]
             return SavedSlices, (parts, list(self.size()))
 
     return OwnedSlices
@@ -124,13 +127,28 @@ def _owned_slices(base: type) -> type:
 class SavedSlices:
     """A state-dict tensor after ``torch.save``/``torch.load`` (or ``copy.deepcopy``): the
     parts the saving rank held, where they lie, and the global size. ``load_state_dict``
-    takes it on the rank that saved it (a rank's own file, as ``torch.save`` per rank)."""
+    takes it on the rank that saved it (a rank's own file, as ``torch.save`` per rank).
+
+    Plain data (lists of ints and tensors), registered at import with
+    ``torch.serialization.add_safe_globals``, so ``torch.load`` with its defaults
+    (``weights_only=True``) reads a rank's file; it is the only global the library adds."""
 
     def __init__(self, parts: list[tuple[list[int], torch.Tensor]], size: list[int]) -> None:
+        ok = isinstance(parts, list) and isinstance(size, list) and all(
+            isinstance(x, int) for x in size) and all(
+            isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], list)
+            and all(isinstance(x, int) for x in p[0]) and isinstance(p[1], torch.Tensor)
+            for p in parts)
+        if not ok:
+            raise TypeError("SavedSlices(parts, size): parts is a list of (offsets, tensor), "
+                            "offsets and size lists of ints")
         self.parts, self.global_size = parts, size
 
     def size(self) -> torch.Size:
         return torch.Size(self.global_size)
+
+
+torch.serialization.add_safe_globals([SavedSlices])
 
 
 def _pad_spans(b: Any) -> list[tuple[int, int]]:
@@ -169,12 +187,22 @@ def _to_bytes(t: torch.Tensor | None) -> bytes | None:
     return buf.getvalue()
 
 
-def _from_bytes(b: Any) -> torch.Tensor | None:
-    if b is None:
-        return None
-    if isinstance(b, torch.Tensor):
+def _from_bytes(b: Any, where: str) -> torch.Tensor | None:
+    """A replicated tensor saved as bytes (masks), unpickled with ``weights_only=True``."""
+    if b is None or isinstance(b, torch.Tensor):
         return b
-    return torch.load(io.BytesIO(b), weights_only=True)
+    if not isinstance(b, bytes):
+        raise ValueError(f"{where}: expected bytes or a tensor, got {type(b).__name__}")
+    try:
+        t = torch.load(io.BytesIO(b), weights_only=True)
+    except Exception as e:  # UnpicklingError, or whatever a damaged stream raises
+        lines = str(e).splitlines() or [""]
+        why = next((ln.strip() for ln in lines if "WeightsUnpickler" in ln), lines[0])
+        raise ValueError(f"{where}: cannot be read with torch.load(weights_only=True) (a "
+                         f"damaged state dict, or one carrying code): {why}") from e
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{where}: holds a {type(t).__name__}, not a tensor")
+    return t
 
 
 def torch_state_dict(opt: Any, bucket_extras: list[dict[str, torch.Tensor | None]]
@@ -292,18 +320,25 @@ def load_torch_state_dict(opt: Any, sd: dict[str, Any]
                           ) -> list[dict[str, torch.Tensor | None]]:
     """Load a state dict of :func:`torch_state_dict` (as saved, or filled by DCP); return per
     bucket the replicated extras (masks) for the subclass. Checks everything first."""
-    info, pending = agree_to_load(opt, lambda: _read(opt, sd), lambda read: read[0]["step"])
+    info, pending, extras = agree_to_load(opt, lambda: _read(opt, sd),
+                                          lambda read: read[0]["step"])
     for dest, src in pending:
         dest.copy_(src)
     finish_load(opt, info["step"], info["counters"], sd["param_groups"], skip=("params", KEY))
-    return [{k: _from_bytes(v) for k, v in e.items()
-             if k not in ("group", "apart", "dtype", "numel", "shapes") and v is not None}
-            for e in info["buckets"]]
+    return extras
 
 
-def _read(opt: Any, sd: dict[str, Any]) -> tuple[dict[str, Any], list[tuple[Any, Any]]]:
-    """Check ``sd`` against ``opt``; return its optimizer-wide values and the copies to make."""
+_LAYOUT_KEYS = ("group", "apart", "dtype", "numel", "shapes")
+
+
+def _read(opt: Any, sd: dict[str, Any]
+          ) -> tuple[dict[str, Any], list[tuple[Any, Any]], list[dict[str, Any]]]:
+    """Check ``sd`` against ``opt``; return its optimizer-wide values, the copies to make and
+    per bucket the replicated extras (masks), decoded."""
     info = _check(opt, sd)
+    extras = [{k: _from_bytes(v, f"bucket {i} {k}") for k, v in e.items()
+               if k not in _LAYOUT_KEYS and v is not None}
+              for i, e in enumerate(info["buckets"])]
     world, rank = opt.comm.world_size, opt.comm.rank
     old_world = info["world_size"]
     pids = [pid for g in sd["param_groups"] for pid in g["params"]]
@@ -358,7 +393,7 @@ def _read(opt: Any, sd: dict[str, Any]) -> tuple[dict[str, Any], list[tuple[Any,
                         "it with dcp.load(..., planner=scape.dcp.ReshardPlanner()) so every "
                         "rank reads every old rank's residual")
                 pending.append((dest, whole[0].to(torch.float32).mean(0)))
-    return info, pending
+    return info, pending, extras
 
 
 def _reshard_planner() -> Any:

@@ -271,7 +271,7 @@ def _torch_save_load(rank, world, path, own):
         torch.save(opt.state_dict(), f)
     dist.barrier()
     try:
-        opt.load_state_dict(torch.load(f, weights_only=False))
+        opt.load_state_dict(torch.load(f))  # torch's defaults: weights_only=True
     except ValueError as e:
         assert not differing(before, snapshot(opt)), "state changed before the error"
         return str(e)
