@@ -38,7 +38,7 @@ class DistributedAdamW(ShardedOptimizer):
     does not advance the bias-correction step count.
     """
 
-    _name = "DistributedAdamW"
+    name = "DistributedAdamW"
 
     def __init__(self, params: Any, *, lr: float, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0,
@@ -64,7 +64,7 @@ class DistributedAdamW(ShardedOptimizer):
     def _is_dense(self, i: int) -> bool:
         return True
 
-    def _state_tensors(self, shard: ShardState) -> dict[str, torch.Tensor]:
+    def state_tensors(self, shard: ShardState) -> dict[str, torch.Tensor]:
         return {"exp_avg": shard.m, "exp_avg_sq": shard.extra["v"], "master": shard.master}
 
     def _apply(self, gs: list[torch.Tensor], dense_flags: list[bool]) -> None:
@@ -77,10 +77,11 @@ class DistributedAdamW(ShardedOptimizer):
                      beta2=hp["beta2"], eps=hp["eps"], weight_decay=hp["weight_decay"],
                      step=self._adam_step, model_out=model_out)
 
-    def _counters(self) -> dict[str, int]:
+    def counters(self) -> dict[str, int]:
         return {"adam_step": self._adam_step}
 
-    def _load_counters(self, counters: dict[str, int]) -> None:
+    def load_counters(self, counters: dict[str, Any], step: int) -> None:
+        super().load_counters(counters, step)
         self._adam_step = int(counters["adam_step"])
 
     @state_dict_hooks

@@ -17,18 +17,65 @@ all-gather, so every rank's model matches the optimizer state exactly.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
 
 import torch
 
 from scape.agreement import agree, digest
+
+if TYPE_CHECKING:
+    from scape.buffers import Bucket
+    from scape.comm import Communicator
+
+
+class ShardedState(Protocol):
+    """What checkpoints (this module, :mod:`scape.dcp`, :mod:`scape.io`) read and write of a
+    sharded optimizer (:class:`scape.SCAPE`, :class:`scape.DistributedAdamW`).
+
+    The layout: ``comm`` (the data-parallel group), ``block_size``, ``buckets`` (the flat
+    buffers, :class:`scape.buffers.Bucket`, one per param group and dtype), ``shards`` (per
+    bucket what this rank keeps of its owned slice), ``param_groups`` (torch.optim's). The
+    state: :meth:`state_tensors` per shard, :meth:`residual` per bucket, :meth:`counters`
+    and :attr:`step_count`; :meth:`load_counters` restores the last two once the tensors are
+    written. ``name`` is the optimizer's name as checkpoints record it.
+    """
+
+    name: str
+    comm: Communicator
+    block_size: int
+    buckets: list[Bucket]
+    shards: list[Any]
+    param_groups: list[dict[str, Any]]
+
+    @property
+    def step_count(self) -> int: ...
+
+    @property
+    def optional_state_names(self) -> tuple[str, ...]: ...
+
+    def check_usable(self) -> None: ...
+
+    def finish_param_sync(self) -> None: ...
+
+    def state_tensors(self, shard: Any) -> dict[str, torch.Tensor]: ...
+
+    def residual(self, i: int) -> torch.Tensor: ...
+
+    def counters(self) -> dict[str, Any]: ...
+
+    def load_counters(self, counters: dict[str, Any], step: int) -> None: ...
+
+    def rank_state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state_dict: Any) -> None: ...
+
 
 T = TypeVar("T")
 FORMAT = "scape.sharded/1"
 _SHARD_TENSORS = ("master", "m", "age")
 
 
-def sharded_state(opt: Any, extra_per_bucket: list[dict[str, Any]]) -> dict[str, Any]:
+def sharded_state(opt: ShardedState, extra_per_bucket: list[dict[str, Any]]) -> dict[str, Any]:
     opt.check_usable()  # never save the state of a step whose collectives failed
     buckets = []
     for i, (b, s, extra) in enumerate(zip(opt.buckets, opt.shards, extra_per_bucket)):
@@ -36,21 +83,21 @@ def sharded_state(opt: Any, extra_per_bucket: list[dict[str, Any]]) -> dict[str,
                  "n_pad": b.n_pad,
                  "shapes": [list(p.shape) for p in b.params],
                  "shard_start": b.shard_start, "shard_size": b.shard_size,
-                 "residual": opt._residual(i),
+                 "residual": opt.residual(i),
                  "extra": {k: v.detach().clone() for k, v in s.extra.items()}}
         for name in _SHARD_TENSORS:
             entry[name] = getattr(s, name).detach().clone()
         entry.update(extra)
         buckets.append(entry)
-    return {"format": FORMAT, "optimizer": opt._name, "world_size": opt.comm.world_size,
-            "rank": opt.comm.rank, "step": opt._step, "block_size": opt.block_size,
-            "counters": dict(opt._counters()),
+    return {"format": FORMAT, "optimizer": opt.name, "world_size": opt.comm.world_size,
+            "rank": opt.comm.rank, "step": opt.step_count, "block_size": opt.block_size,
+            "counters": dict(opt.counters()),
             "param_groups": [{k: v for k, v in g.items() if k != "params"}
                              for g in opt.param_groups],
             "buckets": buckets}
 
 
-def _check_structure(opt: Any, sd: dict[str, Any]) -> None:
+def _check_structure(opt: ShardedState, sd: dict[str, Any]) -> None:
     if not isinstance(sd, dict) or sd.get("format") != FORMAT:
         raise ValueError(f"not a {FORMAT} state dict (got format "
                          f"{sd.get('format') if isinstance(sd, dict) else type(sd).__name__!r})")
@@ -62,13 +109,13 @@ _APART_HINT = (" (with update='early', attach(model) before the first step gives
                "saved did, then load)")
 
 
-def check_layout(opt: Any, optimizer: str, groups: list[dict[str, Any]], block_size: int,
+def check_layout(opt: ShardedState, optimizer: str, groups: list[dict[str, Any]], block_size: int,
                  buckets: list[dict[str, Any]]) -> None:
     """Raise ``ValueError`` naming what differs if a saved state's optimizer, param groups,
     buckets (group, dtype, size, parameter shapes) or block size do not fit ``opt``; both
     state-dict forms (this module's and :mod:`scape.dcp`'s) are checked here."""
-    if optimizer != opt._name:
-        raise ValueError(f"state dict is from {optimizer}, not {opt._name}")
+    if optimizer != opt.name:
+        raise ValueError(f"state dict is from {optimizer}, not {opt.name}")
     if len(groups) != len(opt.param_groups):
         raise ValueError(f"state dict has {len(groups)} param groups, the "
                          f"optimizer has {len(opt.param_groups)}")
@@ -104,7 +151,7 @@ def check_layout(opt: Any, optimizer: str, groups: list[dict[str, Any]], block_s
         raise ValueError(f"state dict block_size {block_size} != {opt.block_size}")
 
 
-def agree_to_load(opt: Any, read: Callable[[], T], step_of: Callable[[T], Any]) -> T:
+def agree_to_load(opt: ShardedState, read: Callable[[], T], step_of: Callable[[T], Any]) -> T:
     """Run ``read()``, which checks a state and returns what to load without writing
     anything, then agree with every rank (one all-gather): if it raised on any rank, or the
     ranks load different steps (``step_of``), every rank raises before anything is written."""
@@ -119,13 +166,12 @@ def agree_to_load(opt: Any, read: Callable[[], T], step_of: Callable[[T], Any]) 
     return cast(T, result)
 
 
-def finish_load(opt: Any, step: int, counters: dict[str, Any],
+def finish_load(opt: ShardedState, step: int, counters: dict[str, Any],
                 groups: list[dict[str, Any]], skip: tuple[str, ...] = ("params",)) -> None:
     """The step, counters and param-group values (``lr``, ``sparsity``, ... but ``skip``) of
     a loaded state; then the model parameters from the loaded master weights (one all-gather
     per bucket), so every rank's model matches the optimizer state exactly."""
-    opt._step = int(step)
-    opt._load_counters(counters)
+    opt.load_counters(counters, step)
     for g, saved in zip(opt.param_groups, groups):
         for k, v in saved.items():
             if k not in skip:
@@ -146,14 +192,14 @@ def _reshard(old_shards: list[torch.Tensor], b: Any) -> torch.Tensor:
     return _repad(full, b.numel, b.n_pad)[b.shard].to(b.device)
 
 
-def load_sharded_state(opt: Any, state: Any) -> list[dict[str, Any]]:
+def load_sharded_state(opt: ShardedState, state: Any) -> list[dict[str, Any]]:
     """Load ``state`` into ``opt``; return the per-bucket extras (masks) for the subclass.
     A state that does not fit raises on every rank (one all-gather) before anything loads."""
     states = agree_to_load(opt, lambda: _states_to_load(opt, state), lambda sds: sds[0]["step"])
     return _load_states(opt, states)
 
 
-def _states_to_load(opt: Any, state: Any) -> list[dict[str, Any]]:
+def _states_to_load(opt: ShardedState, state: Any) -> list[dict[str, Any]]:
     """The checked state dicts this rank loads from (its own, or every old rank's)."""
     world, rank = opt.comm.world_size, opt.comm.rank
     if isinstance(state, dict):
@@ -182,7 +228,7 @@ def _states_to_load(opt: Any, state: Any) -> list[dict[str, Any]]:
     return states
 
 
-def _load_states(opt: Any, states: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _load_states(opt: ShardedState, states: list[dict[str, Any]]) -> list[dict[str, Any]]:
     world = opt.comm.world_size
     extras = []
     for i, (b, s) in enumerate(zip(opt.buckets, opt.shards)):

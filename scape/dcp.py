@@ -37,7 +37,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from scape.checkpoint import agree_to_load, check_layout, finish_load
+from scape.checkpoint import ShardedState, agree_to_load, check_layout, finish_load
 
 FORMAT = "scape.torch/1"
 KEY = "scape"
@@ -205,7 +205,7 @@ def _from_bytes(b: Any, where: str) -> torch.Tensor | None:
     return t
 
 
-def torch_state_dict(opt: Any, bucket_extras: list[dict[str, torch.Tensor | None]]
+def torch_state_dict(opt: ShardedState, bucket_extras: list[dict[str, torch.Tensor | None]]
                      ) -> dict[str, Any]:
     """The state dict of the module docstring (``bucket_extras``: per bucket, the replicated
     tensors the subclass keeps, such as masks)."""
@@ -220,8 +220,8 @@ def torch_state_dict(opt: Any, bucket_extras: list[dict[str, torch.Tensor | None
     state: dict[int, dict[str, Any]] = {}
     buckets = []
     for i, (b, s, extras) in enumerate(zip(opt.buckets, opt.shards, bucket_extras)):
-        tensors = opt._state_tensors(s)
-        residual = opt._residual(i)
+        tensors = opt.state_tensors(s)
+        residual = opt.residual(i)
         for p, o, n, spans in zip(b.params, b.offsets, b.numels, _spans(b)):
             lo, hi = spans[rank]
             entry: dict[str, Any] = {}
@@ -248,9 +248,9 @@ def torch_state_dict(opt: Any, bucket_extras: list[dict[str, torch.Tensor | None
         entry = {k: v for k, v in g.items() if k != "params"}
         entry["params"] = [pid[p] for p in g["params"]]
         groups.append(entry)
-    groups[0][KEY] = {"format": FORMAT, "optimizer": opt._name, "world_size": world,
-                      "step": opt._step, "block_size": opt.block_size,
-                      "counters": dict(opt._counters()), "buckets": buckets}
+    groups[0][KEY] = {"format": FORMAT, "optimizer": opt.name, "world_size": world,
+                      "step": opt.step_count, "block_size": opt.block_size,
+                      "counters": dict(opt.counters()), "buckets": buckets}
     return {"state": state, "param_groups": groups}
 
 
@@ -271,12 +271,12 @@ def _size(t: Any) -> list[int]:
     return list(t.size())
 
 
-def _optional(opt: Any) -> set[str]:
+def _optional(opt: ShardedState) -> set[str]:
     """State names a state dict may lack (the rule's statistics): they start at zero."""
-    return set(getattr(opt, "_rule_state_names", ()))
+    return set(getattr(opt, "optional_state_names", ()))
 
 
-def _check(opt: Any, sd: dict[str, Any]) -> dict[str, Any]:
+def _check(opt: ShardedState, sd: dict[str, Any]) -> dict[str, Any]:
     """Raise ``ValueError`` if ``sd`` does not fit ``opt``; return its optimizer-wide values."""
     groups = sd["param_groups"]
     info = groups[0].get(KEY) if groups and isinstance(groups[0], dict) else None
@@ -292,7 +292,7 @@ def _check(opt: Any, sd: dict[str, Any]) -> dict[str, Any]:
     live_params = [p for g in opt.param_groups for p in g["params"]]
     state = sd["state"]
     owned = {id(p) for b in opt.buckets for p in b.params}
-    names = set(opt._state_tensors(opt.shards[0])) | {"residual"}
+    names = set(opt.state_tensors(opt.shards[0])) | {"residual"}
     optional = _optional(opt)
     for pid, p in zip(pids, live_params):
         if id(p) not in owned:
@@ -316,7 +316,7 @@ def _check(opt: Any, sd: dict[str, Any]) -> dict[str, Any]:
     return info
 
 
-def load_torch_state_dict(opt: Any, sd: dict[str, Any]
+def load_torch_state_dict(opt: ShardedState, sd: dict[str, Any]
                           ) -> list[dict[str, torch.Tensor | None]]:
     """Load a state dict of :func:`torch_state_dict` (as saved, or filled by DCP); return per
     bucket the replicated extras (masks) for the subclass. Checks everything first."""
@@ -331,7 +331,7 @@ def load_torch_state_dict(opt: Any, sd: dict[str, Any]
 _LAYOUT_KEYS = ("group", "apart", "dtype", "numel", "shapes")
 
 
-def _read(opt: Any, sd: dict[str, Any]
+def _read(opt: ShardedState, sd: dict[str, Any]
           ) -> tuple[dict[str, Any], list[tuple[Any, Any]], list[dict[str, Any]]]:
     """Check ``sd`` against ``opt``; return its optimizer-wide values, the copies to make and
     per bucket the replicated extras (masks), decoded."""
@@ -346,7 +346,7 @@ def _read(opt: Any, sd: dict[str, Any]
     pid_of = {id(p): pid for pid, p in zip(pids, live_params)}
     pending = []  # (destination, source) pairs, written only once all are read and checked
     for b, s in zip(opt.buckets, opt.shards):
-        tensors = opt._state_tensors(s)
+        tensors = opt.state_tensors(s)
         for p, o, n, spans in zip(b.params, b.offsets, b.numels, _spans(b)):
             entry = sd["state"][pid_of[id(p)]]
             lo, hi = spans[rank]

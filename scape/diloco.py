@@ -75,7 +75,7 @@ class LocalSGD(torch.optim.Optimizer):
     ``theta_synced``, and non-finite entries of the inner optimizer's state restart at zero.
     """
 
-    _name = "local SGD"
+    name = "local SGD"
     __getstate__ = refuse_copy
 
     def __init__(self, params: Any, inner: Any, *, sync_every: int, comm: Communicator | None,
@@ -103,7 +103,7 @@ class LocalSGD(torch.optim.Optimizer):
         agreed["param_shapes"] = digest([tuple(p.shape) for p in trainable]) if valid else 0
         agreed["param_dtypes"] = digest([str(p.dtype) for p in trainable]) if valid else 0
         agreed["param_values"] = tensor_digest(trainable) if valid else 0
-        agree(self.comm, agreed, error, what=self._name)
+        agree(self.comm, agreed, error, what=self.name)
 
         super().__init__(trainable, {})
         self.inner = inner
@@ -168,7 +168,7 @@ class LocalSGD(torch.optim.Optimizer):
 
     def add_param_group(self, param_group: dict) -> None:
         if hasattr(self, "inner"):
-            raise RuntimeError(f"{self._name}: param groups are fixed at construction (the "
+            raise RuntimeError(f"{self.name}: param groups are fixed at construction (the "
                                "flat buffers are built once); build a new optimizer")
         super().add_param_group(param_group)
 
@@ -176,7 +176,7 @@ class LocalSGD(torch.optim.Optimizer):
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         """One inner step; every ``sync_every``-th step also runs the outer sync."""
         if self._step == 0 and not getattr(self, "_wrap_checked", False):
-            check_not_wrapped(self.params, self._name)  # DDP would sync every step
+            check_not_wrapped(self.params, self.name)  # DDP would sync every step
             self._wrap_checked = True
         loss = self.inner.step(closure) if closure is not None else self.inner.step()
         self._step += 1
@@ -225,7 +225,7 @@ class LocalSGD(torch.optim.Optimizer):
         """This rank's state: the step, ``theta_synced``, the model's local parameters
         (training may be between syncs), the outer state and the inner optimizer's state
         dict. Loading it resumes bit-exactly on the same rank of the same world size."""
-        return {"format": FORMAT, "optimizer": self._name, "world_size": self.comm.world_size,
+        return {"format": FORMAT, "optimizer": self.name, "world_size": self.comm.world_size,
                 "rank": self.comm.rank, "step": self._step, "sync_count": self.sync_count,
                 "sync_every": self.sync_every, "numel": self.numel,
                 "synced": self.synced.detach().clone(),
@@ -239,8 +239,8 @@ class LocalSGD(torch.optim.Optimizer):
         if not isinstance(sd, dict) or sd.get("format") != FORMAT:
             got = sd.get("format") if isinstance(sd, dict) else type(sd).__name__
             raise ValueError(f"not a {FORMAT} state dict (got format {got!r})")
-        if sd["optimizer"] != self._name:
-            raise ValueError(f"state dict is from {sd['optimizer']}, not {self._name}")
+        if sd["optimizer"] != self.name:
+            raise ValueError(f"state dict is from {sd['optimizer']}, not {self.name}")
         if (sd["world_size"], sd["rank"]) != (self.comm.world_size, self.comm.rank):
             raise ValueError(f"state dict is rank {sd['rank']} of {sd['world_size']}; this is "
                              f"rank {self.comm.rank} of {self.comm.world_size} (each rank "
@@ -288,7 +288,7 @@ class DiLoCo(LocalSGD):
     Bytes per sync: ``8 * N_pad`` (an fp32 reduce-scatter and all-gather, ``comm.stats``).
     """
 
-    _name = "DiLoCo"
+    name = "DiLoCo"
 
     def __init__(self, params: Any, inner: Any, *, sync_every: int, outer_lr: float = 0.7,
                  outer_momentum: float = 0.9, nesterov: bool = True,

@@ -48,7 +48,7 @@ import torch
 from scape import config
 from scape.agreement import agree, digest
 from scape.checkpoint import FORMAT as STATE_FORMAT
-from scape.checkpoint import _check_structure
+from scape.checkpoint import ShardedState, _check_structure
 
 FORMAT = "scape.checkpoint/1"
 MANIFEST = "manifest.json"
@@ -96,7 +96,7 @@ def atomic_write(path: Path, data: bytes) -> None:
     _fsync_dir(path.parent)
 
 
-def save_checkpoint(opt: Any, root: str | os.PathLike[str], *,
+def save_checkpoint(opt: ShardedState, root: str | os.PathLike[str], *,
                     extra: dict[str, Any] | None = None) -> Path:
     """Save every rank's optimizer state under ``root``; return the checkpoint directory.
 
@@ -154,7 +154,7 @@ def save_checkpoint(opt: Any, root: str | os.PathLike[str], *,
         files = [{"name": rank_file(r, world), "sha256": bytes(rows[r, 1:33].tolist()).hex(),
                   "bytes": int(rows[r, 33:41].clone().view(torch.int64))}
                  for r in range(world)]
-        manifest = {"format": FORMAT, "optimizer": opt._name, "step": step,
+        manifest = {"format": FORMAT, "optimizer": opt.name, "step": step,
                     "world_size": world, "files": files}
         try:
             atomic_write(ckpt / MANIFEST, json.dumps(manifest, indent=1).encode())
@@ -265,7 +265,8 @@ def _counter_ok(v: Any, nested: bool = True) -> bool:
         for k, x in v.items())
 
 
-def validate_state(opt: Any, sd: dict[str, Any], rank: int, manifest: dict[str, Any]) -> None:
+def validate_state(opt: ShardedState, sd: dict[str, Any], rank: int,
+                   manifest: dict[str, Any]) -> None:
     """Check that old rank ``rank``'s state dict fits ``opt`` (dtypes, shapes, masks, groups)."""
     where = f"checkpoint rank {rank}"
     try:
@@ -329,7 +330,7 @@ def validate_state(opt: Any, sd: dict[str, Any], rank: int, manifest: dict[str, 
                 raise CheckpointError(f"{at}, {key}: offsets outside [0, {opt.block_size})")
 
 
-def load_checkpoint(opt: Any, path: str | os.PathLike[str], *,
+def load_checkpoint(opt: ShardedState, path: str | os.PathLike[str], *,
                     extra: dict[str, Any] | None = None) -> int:
     """Load the checkpoint at ``path`` (a checkpoint directory, or a root with ``latest``)
     into ``opt`` on every rank, on any world size; return its step.
@@ -353,9 +354,9 @@ def load_checkpoint(opt: Any, path: str | os.PathLike[str], *,
         ckpt = resolve(path)
         name = str(ckpt.resolve())
         manifest = read_manifest(ckpt)
-        if manifest.get("optimizer") != opt._name:
+        if manifest.get("optimizer") != opt.name:
             raise CheckpointError(f"{ckpt} holds a {manifest.get('optimizer')!r} state, not "
-                                  f"{opt._name!r}")
+                                  f"{opt.name!r}")
         old_world = manifest["world_size"]
         ranks = [rank] if old_world == world else list(range(old_world))
         for r in ranks:

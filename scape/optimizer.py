@@ -80,7 +80,7 @@ class SCAPE(ShardedOptimizer):
             :class:`scape.comm.Communicator` (default: the default process group).
     """
 
-    _name = "SCAPE"
+    name = "SCAPE"
     _step_supports_amp_scaling = True  # GradScaler hands its scale to step(), which refuses it
 
     def __init__(self, params: Any, *, lr: float, betas: tuple[float, float] = (0.9, 0.95),
@@ -114,14 +114,12 @@ class SCAPE(ShardedOptimizer):
         for b in self.buckets:
             n_local = b.shard_size // self.block_size
             sparse = self.param_groups[b.group]["sparsity"] > 0
-            self.masks.append(MaskState(*self._budget(b), n_local * b.world, n_local)
+            self.masks.append(MaskState(*self.mask_budget(b), n_local * b.world, n_local)
                               if sparse else None)
         self.diagnostics: list[dict[str, torch.Tensor]] = [{} for _ in self.buckets]
         self._take_bufs: list[torch.Tensor | None] = [None] * len(self.buckets)
-        self._node: NodeLevel | None = None
-        """Two levels (:mod:`scape.two_level`): the node's residuals over this rank's slice."""
-        if isinstance(self.comm, HierarchicalCommunicator):
-            self._node = NodeLevel(self.comm, self.buckets, [m is not None for m in self.masks])
+        if isinstance(self.comm, HierarchicalCommunicator):  # two levels: scape.two_level
+            self.level = NodeLevel(self.comm, self.buckets, [m is not None for m in self.masks])
 
     def attach(self, model: torch.nn.Module) -> Any:
         """:meth:`ShardedOptimizer.attach`; with ``update="early"``, before the first step,
@@ -135,7 +133,7 @@ class SCAPE(ShardedOptimizer):
             apart = embeddings.to_set_apart(model, self._trainable, sparse)
             at = [i for i, p in enumerate(p for ps in self._trainable for p in ps)
                   if id(p) in apart]
-            agree(self.comm, {"embedding_params": digest(at)}, None, what=f"{self._name}.attach")
+            agree(self.comm, {"embedding_params": digest(at)}, None, what=f"{self.name}.attach")
             if apart:
                 self._build_layout(apart)
         return super().attach(model)
@@ -201,52 +199,16 @@ class SCAPE(ShardedOptimizer):
                                           device=bucket.device),
                           extra={k: torch.zeros_like(master) for k in rule.extra})
 
-    def _state_tensors(self, shard: ShardState) -> dict[str, torch.Tensor]:
+    def state_tensors(self, shard: ShardState) -> dict[str, torch.Tensor]:
         """``exp_avg`` (AdamS's only moment), the fp32 ``master`` weights, ``age`` (steps since
         each coordinate was last sent) and the rule's statistics by their names."""
         return {"exp_avg": shard.m, "master": shard.master, "age": shard.age, **shard.extra}
 
     @property
-    def _rule_state_names(self) -> tuple[str, ...]:
+    def optional_state_names(self) -> tuple[str, ...]:
         """The rule's per-coordinate statistics: a state dict that lacks them (saved with
         another rule) loads, and they start at zero."""
         return tuple(rules.get(self.update).extra)
-
-    def _before_observe(self, dense_flags: list[bool]) -> None:
-        """Two levels: every step of a sparse bucket first reduces the node's gradient
-        densely into the node's residual (what the rule observes and the step sends)."""
-        node = self._node
-        if node is None:
-            return
-        launched = []
-        with phase("scape/reduce_scatter", self.buckets[0].device):
-            for i, (b, m) in enumerate(zip(self.buckets, self.masks)):
-                if m is not None:
-                    launched.append((i, *node.launch(b, self.grad_comm_dtype)))
-            for i, recv, work in launched:
-                work.wait()
-                node.land(i, self.buckets[i], recv, self.max_grad_norm is not None)
-
-    def _grad_buffer(self, i: int) -> torch.Tensor:
-        node = self._node
-        if node is None or node.res[i] is None:
-            return self.buckets[i].grad_flat
-        res = node.res[i]
-        assert res is not None
-        return res
-
-    def _fresh_sumsq(self, i: int) -> torch.Tensor | None:
-        if self._node is not None and self._node.res[i] is not None:
-            return self._node.fresh[i]
-        return super()._fresh_sumsq(i)
-
-    def _senders(self) -> int:
-        return self._node.nodes if self._node is not None else self.comm.world_size
-
-    def _residual(self, i: int) -> torch.Tensor:
-        if self._node is not None:
-            return self._node.residual(i, self.buckets[i])
-        return super()._residual(i)
 
     def _observe(self, i: int) -> None:
         """Give the rule the owner's slice of its own buffer (before the take); where this
@@ -256,12 +218,9 @@ class SCAPE(ShardedOptimizer):
         if rule.observe is None or mask is None:
             return
         b = self.buckets[i]
-        if self._node is not None:
-            own = self._grad_buffer(i)[self._node.shard_in_slice(b)]
-        else:
-            own = b.grad_flat[b.shard]
+        own = self.level.own(i, b)
         if rule.observe_select is None or mask.local is None or self._is_dense(i) or \
-                self._schedule_dense(self._step + 1):
+                self.is_dense_step(self._step + 1):
             rule.observe(self.shards[i], own, self.error_feedback)
             return
         self._set_budget(b, mask)
@@ -272,14 +231,13 @@ class SCAPE(ShardedOptimizer):
 
     def _after_skip(self) -> None:
         """The residuals were cleared: let the rule forget what it kept of the buffer."""
-        if self._node is not None:
-            self._node.clear()
+        self.level.clear()
         self._undo_ahead()
         if self.rule is not None and self.rule.reset is not None:
             for s in self.shards:
                 self.rule.reset(s)
 
-    def _budget(self, b: Bucket, sparsity: float | None = None) -> tuple[int, int]:
+    def mask_budget(self, b: Bucket, sparsity: float | None = None) -> tuple[int, int]:
         """A mask's ``k`` and ``k_explore`` from its group's sparsity (now, or ``sparsity``):
         the embeddings' or the rest's share of it where they have buckets of their own."""
         sp = self.param_groups[b.group]["sparsity"] if sparsity is None else sparsity
@@ -290,7 +248,7 @@ class SCAPE(ShardedOptimizer):
         return k, kx
 
     def _set_budget(self, b: Bucket, mask: MaskState) -> None:
-        mask.k, mask.k_explore = self._budget(b)
+        mask.k, mask.k_explore = self.mask_budget(b)
 
     def _undo_ahead(self) -> None:
         for s, m in zip(self.shards, self.masks):
@@ -299,12 +257,14 @@ class SCAPE(ShardedOptimizer):
                 rules.unadvance_ages(s, m.local, self.block_size)
                 m.made = None
 
-    def _schedule_dense(self, t: int) -> bool:
+    def is_dense_step(self, t: int) -> bool:
+        """Whether step ``t`` (from 1) is dense by the schedule: the warm-up, and every
+        ``dense_every``-th step."""
         return t <= self.warmup_steps or (self.dense_every > 0 and t % self.dense_every == 0)
 
     def _is_dense(self, i: int) -> bool:
         mask = self.masks[i]
-        return mask is None or self._schedule_dense(self._step) or mask.next is None
+        return mask is None or self.is_dense_step(self._step) or mask.next is None
 
     def _step_mask(self, i: int, dense: bool) -> torch.Tensor | None:
         mask = self.masks[i]
@@ -318,18 +278,6 @@ class SCAPE(ShardedOptimizer):
         return mask.current.numel()
 
     # ------------------------------------------------------------------ dense path
-    def _dense_launch(self, i: int) -> tuple[torch.Tensor, Any]:
-        node = self._node
-        if node is None or node.res[i] is None:
-            return super()._dense_launch(i)
-        b = self.buckets[i]  # two levels: the node's residual, all of it, across nodes
-        res = node.res[i]
-        assert res is not None
-        inp = res.div(node.per_node).to(self.grad_comm_dtype)
-        res.zero_()
-        g = torch.empty(b.shard_size, dtype=self.grad_comm_dtype, device=b.device)
-        return g, node.comm.inter.reduce_scatter(g, inp, op="avg")
-
     def _dense_update(self, i: int, g: torch.Tensor, hp: dict, model_out: torch.Tensor) -> None:
         s = self.shards[i]
         adams_dense_(s.master, s.m, g, lr=hp["lr"], beta1=hp["beta1"], beta2=hp["beta2"],
@@ -343,13 +291,10 @@ class SCAPE(ShardedOptimizer):
         with phase("scape/mask_sync", b.device):
             mask = mask_state.wait()
         assert mask is not None
-        node, comm, src = self._node, self.comm, b.grad_flat
-        if node is not None:  # across nodes only, from the node's residual over the slice
-            comm, src = node.comm.inter, self._grad_buffer(i)
-            mask = node.mask_rows(mask, mask_state.n_local)
+        comm, src, mask, take_dtype = self.level.sparse_source(i, b, mask, mask_state.n_local,
+                                                              self.grad_comm_dtype)
         with phase("scape/take", b.device):
-            c = take_(src, mask, self.block_size,
-                      out_dtype=self.grad_comm_dtype if node is None else torch.float32)
+            c = take_(src, mask, self.block_size, out_dtype=take_dtype)
             diag = self.diagnostics[i]
             taken = c.float().square().sum() \
                 if self.error_feedback or self.max_grad_norm is not None else None
@@ -358,9 +303,7 @@ class SCAPE(ShardedOptimizer):
             else:
                 src.zero_()
                 diag["residual_norm"] = torch.zeros((), device=b.device)
-            if node is not None:  # the node's sum -> its mean, so that the average across
-                c = c.div_(node.per_node).to(self.grad_comm_dtype)  # nodes is every rank's
-                taken = None if taken is None else taken / float(node.per_node ** 2)
+            c, taken = self.level.to_wire(c, taken, self.grad_comm_dtype)
             self._sent_sumsq[i] = taken  # for the clipping norm (scape.grad_watch.clip_norm)
         self._take_bufs[i] = c
         g = torch.empty(mask_state.n_local * mask.shape[1], dtype=self.grad_comm_dtype,
@@ -395,7 +338,7 @@ class SCAPE(ShardedOptimizer):
 
     def _after_update(self, dense_flags: list[bool]) -> None:
         """Make and launch the next masks (only when the next step is sparse)."""
-        if self._schedule_dense(self._step + 1):
+        if self.is_dense_step(self._step + 1):
             for m in self.masks:
                 if m is not None:
                     m.next, m.local, m.work = None, None, None
@@ -436,10 +379,11 @@ class SCAPE(ShardedOptimizer):
             mask_state.next, mask_state.local = full, idx
 
     # ------------------------------------------------------------------ state
-    def _counters(self) -> dict[str, Any]:
+    def counters(self) -> dict[str, Any]:
         return rules.lr_counters(self.shards, [b.group for b in self.buckets])
 
-    def _load_counters(self, counters: dict[str, Any]) -> None:
+    def load_counters(self, counters: dict[str, Any], step: int) -> None:
+        super().load_counters(counters, step)
         rules.load_lr_counters(self.shards, [b.group for b in self.buckets], counters)
 
     def _mask_tensors(self) -> list[dict[str, torch.Tensor | None]]:
@@ -475,8 +419,7 @@ class SCAPE(ShardedOptimizer):
             extras = load_torch_state_dict(self, state_dict)
         else:
             extras = load_sharded_state(self, state_dict)
-        if self._node is not None:  # the loaded residual is in the buffers (two_level)
-            self._node.adopt(self.buckets)
+        self.level.adopt(self.buckets)  # the loaded residual is in the buffers
         self._watch.reset()  # the residuals were written: taken as seen
         for b, m, extra in zip(self.buckets, self.masks, extras):
             if m is None:

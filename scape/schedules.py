@@ -64,11 +64,12 @@ def mean_ramp_density(start: float, end: float) -> float:
     return d0 if math.isclose(d0, d1) else (d0 - d1) / math.log(d0 / d1)
 
 
-def _check_opt(opt: Any) -> None:
+def _check_opt(opt: object) -> None:
     from scape.optimizer import SCAPE
     if not isinstance(opt, SCAPE):
         raise TypeError(f"expected a scape.SCAPE optimizer, got {type(opt).__name__}")
-    if getattr(opt, "_node", None) is not None:
+    from scape.two_level import NodeLevel
+    if isinstance(opt.level, NodeLevel):
         raise ValueError("a two-level optimizer sends different bytes on each level: read "
                          "opt.last_step.level_bytes instead")
 
@@ -102,8 +103,8 @@ def run_bytes(opt: SCAPE, total_steps: int, *, start: float | None = None,
 
     dense_total = sent = 0.0
     for t in range(1, total_steps + 1):
-        dense_step = opt._schedule_dense(t)  # the optimizer's own schedule
-        next_dense = opt._schedule_dense(t + 1)
+        dense_step = opt.is_dense_step(t)  # the optimizer's own schedule
+        next_dense = opt.is_dense_step(t + 1)
         sent += 8
         dense_total += 8
         for i, b in enumerate(opt.buckets):
@@ -112,9 +113,11 @@ def run_bytes(opt: SCAPE, total_steps: int, *, start: float | None = None,
             if opt.masks[i] is None or dense_step:
                 sent += b.n_pad * (b_g + b_p)
             else:  # the mask made at step t - 1
-                sent += b.n_pad // bsz * opt._budget(b, sparsity(b.group, t - 1))[0] * (b_g + b_p)
+                k = opt.mask_budget(b, sparsity(b.group, t - 1))[0]
+                sent += b.n_pad // bsz * k * (b_g + b_p)
             if opt.masks[i] is not None and t >= w and not next_dense:
-                sent += b.n_pad // bsz * opt._budget(b, sparsity(b.group, t))[0] * 2  # next mask
+                k = opt.mask_budget(b, sparsity(b.group, t))[0]
+                sent += b.n_pad // bsz * k * 2  # the next mask
     return sent / dense_total
 
 
@@ -193,7 +196,7 @@ class SparsityRamp:
         self.step()
 
 
-def _ends(opt: Any, ends: list[float] | None) -> list[float]:
+def _ends(opt: SCAPE, ends: list[float] | None) -> list[float]:
     if ends is None:
         return [float(g["sparsity"]) for g in opt.param_groups]
     if len(ends) != len(opt.param_groups):

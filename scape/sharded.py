@@ -32,6 +32,7 @@ from scape.optim_hooks import refuse_copy
 from scape.param_state import param_state
 from scape.profiling import phase
 from scape.step_info import StepInfo
+from scape.two_level import FlatLevel
 from scape.wrappers import check_not_wrapped
 
 _GRAD_COMM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -60,7 +61,7 @@ class _Handles:
 class ShardedOptimizer(torch.optim.Optimizer):
     """Base of :class:`scape.SCAPE` and :class:`scape.DistributedAdamW` (not used directly)."""
 
-    _name = "sharded optimizer"
+    name = "sharded optimizer"
     __getstate__ = refuse_copy
 
     def __init__(self, params: Any, defaults: dict[str, Any], *, comm: Communicator | None,
@@ -91,7 +92,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         except ValueError as e:
             error = error or e
         fields = self._fingerprint(groups_trainable, global_fields, error is None)
-        agree(self.comm, fields, error, what=self._name)
+        agree(self.comm, fields, error, what=self.name)
 
         self._trainable = groups_trainable
         self._norm_out: torch.Tensor | None = None
@@ -119,10 +120,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
             for (_, own), ps in by_key.items():
                 self.buckets.append(Bucket(ps, gi, world, rank, align, own))  # type: ignore[arg-type]
         self.shards = [self._init_shard(b) for b in self.buckets]
+        self.level: FlatLevel = FlatLevel(self.comm)
+        """How gradients leave the rank (:mod:`scape.two_level`): one level here; a subclass
+        may hold two."""
         self._watch = GradWatch(self.buckets, count_norms=self.max_grad_norm is not None)
         self._sent_sumsq: list[torch.Tensor | None] = [None] * len(self.buckets)
         self._owned = {id(p) for b in self.buckets for p in b.params}
-        self.state = param_state(self.buckets, self.shards, self._state_tensors)
+        self.state = param_state(self.buckets, self.shards, self.state_tensors)
         """Per-parameter views of what this rank holds (:mod:`scape.param_state`)."""
         self.last_sync: list[dict[str, torch.Tensor | None]] = [{} for _ in self.buckets]
         """Per bucket, what the last applied step synchronized for this rank's shard: ``g``
@@ -153,49 +157,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def _is_dense(self, bucket_index: int) -> bool:
         raise NotImplementedError
 
-    def _state_tensors(self, shard: Any) -> dict[str, torch.Tensor]:
-        """A shard's tensors by the name ``opt.state[p]`` gives them."""
-        raise NotImplementedError
-
     def _dense_update(self, i: int, g: torch.Tensor, hp: dict, model_out: torch.Tensor) -> None:
         raise NotImplementedError
-
-    def _before_observe(self, dense_flags: list[bool]) -> None:
-        """Called at the start of every step, before :meth:`_observe` (two levels: the
-        node's dense reduction, :mod:`scape.two_level`)."""
 
     def _observe(self, i: int) -> None:
         """Called for every bucket at the start of every step, before anything is sent."""
 
-    def _grad_buffer(self, i: int) -> torch.Tensor:
-        """What bucket ``i`` sends from this step: its gradient and residual (the non-finite
-        check and the residual's norm read it)."""
-        return self.buckets[i].grad_flat
-
-    def _fresh_sumsq(self, i: int) -> torch.Tensor | None:
-        """This step's own gradient's sum of squares over bucket ``i`` (clipping)."""
-        return self._watch.fresh_sumsq(i)
-
-    def _senders(self) -> int:
-        """How many independent contributions a step averages: the ranks (the nodes, with
-        two levels)."""
-        return self.comm.world_size
-
-    def _residual(self, i: int) -> torch.Tensor:
-        """Bucket ``i``'s gradient and residual as a whole buffer (what checkpoints keep)."""
-        return self.buckets[i].grad_flat.detach().clone()
-
     def _dense_finish(self, i: int, hp: dict) -> Callable[[], None] | None:
         """What to run once a dense step's parameter all-gather has landed (None: nothing)."""
         return None
-
-    def _dense_launch(self, i: int) -> tuple[torch.Tensor, Any]:
-        """Start a dense step's reduce-scatter of bucket ``i``: ``(received, work)``."""
-        b = self.buckets[i]
-        inp = b.grad_flat if self.grad_comm_dtype == torch.float32 \
-            else b.grad_flat.to(self.grad_comm_dtype)
-        g = torch.empty(b.shard_size, dtype=self.grad_comm_dtype, device=b.device)
-        return g, self.comm.reduce_scatter(g, inp, op="avg")
 
     def _sparse_launch(self, i: int) -> tuple[torch.Tensor, Any]:
         raise NotImplementedError
@@ -216,12 +186,32 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """The mask bucket ``i`` synchronized this step (None when dense)."""
         return None
 
-    def _counters(self) -> dict[str, Any]:
-        """Scalar state beyond the step count, saved in checkpoints."""
+    # ------------------------------------------------------ the checkpoint interface
+    # What scape.checkpoint, scape.dcp, scape.io and scape.schedules read and write, typed
+    # as scape.checkpoint.ShardedState: ``name``, ``comm``, ``block_size``, ``buckets``,
+    # ``shards``, ``param_groups``, ``step_count`` and the methods below.
+    def state_tensors(self, shard: Any) -> dict[str, torch.Tensor]:
+        """A shard's tensors by the name ``opt.state[p]`` and state dicts give them."""
+        raise NotImplementedError
+
+    @property
+    def optional_state_names(self) -> tuple[str, ...]:
+        """Names among :meth:`state_tensors` that a state dict may lack (they load as
+        zeros)."""
+        return ()
+
+    def residual(self, i: int) -> torch.Tensor:
+        """Bucket ``i``'s gradient and residual as a whole buffer (what checkpoints keep)."""
+        return self.level.residual(i, self.buckets[i])
+
+    def counters(self) -> dict[str, Any]:
+        """Scalar state beyond :attr:`step_count`, saved in checkpoints (plain values)."""
         return {}
 
-    def _load_counters(self, counters: dict[str, Any]) -> None:
-        """Restore what :meth:`_counters` saved."""
+    def load_counters(self, counters: dict[str, Any], step: int) -> None:
+        """Restore :attr:`step_count` and what :meth:`counters` saved (a checkpoint loader
+        calls it after the state tensors are written; a subclass extends it)."""
+        self._step = int(step)
 
     # ------------------------------------------------------------------- fingerprint
     def _fingerprint(self, groups: list[list[torch.Tensor]], global_fields: dict,
@@ -310,7 +300,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         and load the last complete checkpoint.
         """
         if self._failed is not None:
-            raise RuntimeError(f"{self._name}: unusable after a failed collective ({self._failed})"
+            raise RuntimeError(f"{self.name}: unusable after a failed collective ({self._failed})"
                                "; restart and load the last complete checkpoint")
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -338,7 +328,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def add_param_group(self, param_group: dict) -> None:
         if hasattr(self, "buckets"):
-            raise RuntimeError(f"{self._name}: param groups are fixed at construction (the "
+            raise RuntimeError(f"{self.name}: param groups are fixed at construction (the "
                                "flat buffers and shards are built once); build a new optimizer")
         super().add_param_group(param_group)
 
@@ -346,7 +336,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         g = self.param_groups[bucket.group]
         return {"lr": float(g["lr"]), "beta1": g["betas"][0], "beta2": g["betas"][1],
                 "eps": g["eps"], "weight_decay": g["weight_decay"],
-                "world": self._senders()}
+                "world": self.level.senders}
 
     # ------------------------------------------------------------------- the step
     @torch.compiler.disable
@@ -368,7 +358,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 loss = closure()
         self.finish_param_sync()
         if not self._wrap_checked:  # once: a DDP wrap would reduce the gradients again
-            if check_not_wrapped([p for b in self.buckets for p in b.params], self._name):
+            if check_not_wrapped([p for b in self.buckets for p in b.params], self.name):
                 self._watch.enabled = False  # its reducer copies the (same) grads back
             self._wrap_checked = True
         self._watch.check()
@@ -385,7 +375,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             fault.fire(self._step, "grad", self)
         dense_flags = [self._is_dense(i) for i in range(len(self.buckets))]
         device = self.buckets[0].device
-        self._before_observe(dense_flags)
+        self.level.gather_inside(self.buckets, self.grad_comm_dtype, self.max_grad_norm is not None)
         for i in range(len(self.buckets)):
             self._observe(i)
 
@@ -395,7 +385,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         local = torch.zeros(5 if clip else 2, dtype=torch.float32, device=device)
         self._pre_sumsq = []
         for i in range(len(self.buckets)):
-            s = grad_stats(self._grad_buffer(i))
+            s = grad_stats(self.level.buffer(i, self.buckets[i]))
             self._pre_sumsq.append(s[0])
             local[1] += s[1]
         # 2. take + reduce-scatter, every bucket in flight together
@@ -405,7 +395,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         for i in range(len(self.buckets)):
             if dense_flags[i]:
                 with phase("scape/reduce_scatter", device):
-                    received.append(self._dense_launch(i))
+                    received.append(self.level.dense_launch(i, self.buckets[i],
+                                                            self.grad_comm_dtype))
             else:
                 received.append(self._sparse_launch(i))
         gs = []
@@ -420,7 +411,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     local[2] += sumsq
                     sent = self._sent_sumsq[i]
                     local[3] += 0.0 if sent is None else sent
-                    fresh = self._fresh_sumsq(i)
+                    fresh = self.level.fresh_sumsq(i, self._watch)
                     local[4] += self._pre_sumsq[i] if fresh is None else fresh
                 self.last_sync[i] = {"g": g.clone() if self.max_grad_norm else g,
                                      "mask": self._step_mask(i, dense_flags[i])}
@@ -429,7 +420,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if fault is not None:
             fault.fire(self._step, "all_reduce", self)
         self.comm.all_reduce(local, op="sum").wait()
-        grad_norm = local[0].sqrt() if not clip else clip_norm(local, self._senders())
+        grad_norm = local[0].sqrt() if not clip else clip_norm(local, self.level.senders)
         skipped = bool(local[1] > 0)
         for b, dense in zip(self.buckets, dense_flags):
             if dense or skipped:
@@ -469,7 +460,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             for p in g["params"]:
                 if p.grad is not None and p.requires_grad and id(p) not in owned:
                     raise ValueError(
-                        f"{self._name}: a parameter of shape {tuple(p.shape)} in param group "
+                        f"{self.name}: a parameter of shape {tuple(p.shape)} in param group "
                         f"{gi} has a gradient but had requires_grad=False when the optimizer "
                         "was built, so it has no place in the optimizer's buffers; build the "
                         "optimizer after setting requires_grad (or keep the parameter "

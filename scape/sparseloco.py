@@ -97,7 +97,7 @@ class SparseLoCo(LocalSGD):
     inner optimizer's state is part of the state dict.
     """
 
-    _name = "SparseLoCo"
+    name = "SparseLoCo"
 
     def __init__(self, params: Any, inner: Any, *, sync_every: int = 32, density: float = 0.02,
                  block_size: int = 4096, ef_decay: float = 0.95, outer_lr: float = 1.0,

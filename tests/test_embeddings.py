@@ -104,7 +104,7 @@ def test_attach_sets_the_embeddings_apart_and_keeps_values_and_grads():
         opt.param_groups[0]["sparsity"] = sp
         k, _ = block_budget(sp, B, opt.explore)
         k_e, k_r = embeddings.split_budget(k, B, share)
-        assert [opt._budget(b)[0] for b in opt.buckets] == \
+        assert [opt.mask_budget(b)[0] for b in opt.buckets] == \
             [k_e if b.apart else k_r for b in opt.buckets]
         assert k_e > k_r
     opt.param_groups[0]["sparsity"] = 0.9

@@ -59,7 +59,7 @@ def _fault_body(rank, world, spec, fault_step, expect_step, bound_s):
                 assert not bad, f"shard after a failed all-gather differs from a whole step: {bad}"
                 # a sparse bucket scatters only after its all-gather: its model part is
                 # untouched (a dense bucket gathers into the model in place, so it may not be)
-                if not opt._schedule_dense(t):
+                if not opt.is_dense_step(t):
                     assert torch.equal(before["0.params"], now["0.params"])
             else:
                 keys = [k for k in before if k in now and k.endswith(SAFE)]

@@ -135,7 +135,7 @@ def test_a_resumed_run_keeps_the_lr_state(how, tmp_path, monkeypatch):
     whole = _run("early", RISE_FALL, 0.97)
     opt, params = _build("early", 0.97, RISE_FALL[0])
     _steps(opt, params, RISE_FALL[:8], torch.Generator().manual_seed(11))
-    counters = opt._counters()
+    counters = opt.counters()
     assert counters["lr_peak"][0] == max(RISE_FALL[:8]) and counters["lr_rose"][0] == 0
     assert _same(whole, _resumed(how, 8, tmp_path / "a"))
     monkeypatch.setattr(rules, "load_lr_counters", lambda *a: None)

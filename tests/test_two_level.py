@@ -79,7 +79,7 @@ def _train(rank: int, world: int, layout: str, sparsity: float, steps: int,
     n_pad = opt.buckets[0].n_pad
     delivered = torch.zeros(n_pad, dtype=torch.float64)
     sent_in = torch.zeros(n_pad, dtype=torch.float64)
-    residual0 = opt._residual(0).double()
+    residual0 = opt.residual(0).double()
     flat.all_reduce(residual0, op="sum").wait()
     infos = []
     for t in range(start + 1, start + steps + 1):
@@ -96,7 +96,7 @@ def _train(rank: int, world: int, layout: str, sparsity: float, steps: int,
                       "levels": (opt.last_step.intra_bytes, opt.last_step.inter_bytes)})
     for t in (delivered, sent_in):
         flat.all_reduce(t, op="sum").wait()
-    residual = opt._residual(0).double()
+    residual = opt.residual(0).double()
     flat.all_reduce(residual, op="sum").wait()
     if save is not None:
         torch.save(opt.rank_state_dict(), os.path.join(save, f"{opt.comm.rank}.pt"))
@@ -255,7 +255,7 @@ def _nonfinite(rank: int, world: int) -> dict:
         if t == 5:
             after = torch.cat([p.detach().reshape(-1) for p in params])
             out = {"skipped": opt.last_step.skipped, "unchanged": torch.equal(before, after),
-                   "residual_zero": bool((opt._residual(0) == 0).all())}
+                   "residual_zero": bool((opt.residual(0) == 0).all())}
     out["finite"] = bool(all(torch.isfinite(p).all() for p in params))
     out["params"] = torch.cat([p.detach().reshape(-1) for p in params]).numpy()
     return out
