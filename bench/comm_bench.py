@@ -23,18 +23,15 @@ Writes JSON (default bench/results/comm_bench.json) and prints progress and a ta
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
-import multiprocessing as mp
 import os
 import platform
-import queue
 import statistics
 import sys
-import tempfile
 import time
-from typing import Any
+
+from bench.engine.launch import Ranks, launch, progress
 
 DEFAULT_SIZES = "1K,4K,16K,64K,256K,1M,4M,16M,64M"
 OVERLAP_SIZES = "1M,4M,16M"
@@ -73,58 +70,48 @@ def _run(comm, op: str, out, inp):
     return comm.reduce_scatter(out, inp, op="sum")
 
 
-def _rank_main(rank: int, world: int, init_file: str, cfg: dict, q: Any) -> None:
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
+def _rank_body(rank: int, world: int, cfg: dict) -> tuple[list, list]:
+    """One rank of :func:`run_world` (its process group joined): the timed collectives and
+    the overlap rows; rank 0 sends each row to the driver as it is measured."""
     import torch
-    import torch.distributed as dist
 
     from scape.comm import TorchCommunicator
 
-    torch.set_num_threads(1)
-    try:
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                                world_size=world, timeout=datetime.timedelta(seconds=120))
-        comm = TorchCommunicator(timeout=120.0)
-        rows, overlap = [], []
-        for nbytes in cfg["sizes"]:
-            for op in OPS:
-                out, inp = _tensors(op, nbytes, world)
+    comm = TorchCommunicator(timeout=120.0)
+    rows, overlap = [], []
+    for nbytes in cfg["sizes"]:
+        for op in OPS:
+            out, inp = _tensors(op, nbytes, world)
+            comm.barrier()
+            t0 = time.perf_counter()
+            _run(comm, op, out, inp).wait()  # warm-up, also sizes the repetitions
+            first = torch.tensor([time.perf_counter() - t0])
+            comm.all_reduce(first, op="max").wait()
+            reps = int(min(200, max(3, cfg["time_per_point"] / max(float(first), 1e-6))))
+            times = []
+            comm.reset_stats()
+            for _ in range(reps):
                 comm.barrier()
                 t0 = time.perf_counter()
-                _run(comm, op, out, inp).wait()  # warm-up, also sizes the repetitions
-                first = torch.tensor([time.perf_counter() - t0])
-                comm.all_reduce(first, op="max").wait()
-                reps = int(min(200, max(3, cfg["time_per_point"] / max(float(first), 1e-6))))
-                times = []
-                comm.reset_stats()
-                for _ in range(reps):
-                    comm.barrier()
-                    t0 = time.perf_counter()
-                    _run(comm, op, out, inp).wait()
-                    times.append(time.perf_counter() - t0)
-                payload = comm.stats[op]["bytes"] // reps
-                med = statistics.median(times)
-                row = {"world": world, "op": op, "bytes": payload, "reps": reps,
-                       "seconds_median": med, "seconds_min": min(times),
-                       "algbw_Bps": payload / med, "busbw_Bps": payload / med * (world - 1)
-                       / world}
-                rows.append(row)
-                if rank == 0:
-                    q.put(("progress", row))
-        a = torch.randn(192, 192)
-        for nbytes in cfg["overlap_sizes"]:
-            for op in OPS:
-                overlap.append(_overlap(comm, rank, op, nbytes, world, a))
-                if rank == 0:
-                    q.put(("progress", overlap[-1]))
-        comm.barrier()
-        q.put(("done", rank, rows, overlap))
-    except BaseException as e:  # noqa: BLE001 - report to the parent
-        q.put(("error", rank, f"{type(e).__name__}: {e}"))
-        raise SystemExit(1) from None
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+                _run(comm, op, out, inp).wait()
+                times.append(time.perf_counter() - t0)
+            payload = comm.stats[op]["bytes"] // reps
+            med = statistics.median(times)
+            row = {"world": world, "op": op, "bytes": payload, "reps": reps,
+                   "seconds_median": med, "seconds_min": min(times),
+                   "algbw_Bps": payload / med, "busbw_Bps": payload / med * (world - 1)
+                   / world}
+            rows.append(row)
+            if rank == 0:
+                progress(row)
+    a = torch.randn(192, 192)
+    for nbytes in cfg["overlap_sizes"]:
+        for op in OPS:
+            overlap.append(_overlap(comm, rank, op, nbytes, world, a))
+            if rank == 0:
+                progress(overlap[-1])
+    comm.barrier()
+    return rows, overlap
 
 
 def _overlap(comm, rank: int, op: str, nbytes: int, world: int, a) -> dict:
@@ -179,38 +166,15 @@ def _overlap(comm, rank: int, op: str, nbytes: int, world: int, a) -> dict:
 
 
 def run_world(world: int, cfg: dict, timeout: float) -> tuple[list, list]:
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        init_file = os.path.join(tmp, "store")
-        procs = [ctx.Process(target=_rank_main, args=(r, world, init_file, cfg, q), daemon=True)
-                 for r in range(world)]
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + timeout
-        done: dict[int, tuple] = {}
-        try:
-            while len(done) < world:
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"W={world} did not finish within {timeout:.0f} s")
-                try:
-                    msg = q.get(timeout=0.5)
-                except queue.Empty:
-                    if not any(p.is_alive() for p in procs):
-                        raise RuntimeError(f"W={world}: ranks exited without reporting") from None
-                    continue
-                if msg[0] == "progress":
-                    print(_fmt(msg[1]), file=sys.stderr, flush=True)
-                elif msg[0] == "error":
-                    raise RuntimeError(f"W={world} rank {msg[1]}: {msg[2]}")
-                else:
-                    done[msg[1]] = (msg[2], msg[3])
-        finally:
-            for p in procs:
-                p.join(timeout=5)
-                if p.is_alive():
-                    p.kill()
-    return done[0]
+    """Rank 0's rows and overlap rows on ``world`` ranks (:mod:`bench.engine.launch`)."""
+    spec = Ranks(world=world, timeout_s=timeout, pg_timeout_s=120.0, threads=1,
+                 env={"OMP_NUM_THREADS": "1"}, fail_fast=True, label=f"W={world}",
+                 on_progress=lambda rank, row: print(_fmt(row), file=sys.stderr, flush=True))
+    outcomes = launch(_rank_body, spec, cfg)
+    bad = [o for o in outcomes if not o.ok]
+    if bad:
+        raise RuntimeError(f"W={world} rank {bad[0].rank}: {bad[0].error}")
+    return outcomes[0].result
 
 
 def _fmt(row: dict) -> str:

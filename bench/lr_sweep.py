@@ -63,10 +63,11 @@ from typing import Any, NamedTuple
 
 from bench.compare import parse_name
 from bench.compare_report import environment
+from bench.engine.launch import sigterm_unwinds
 from bench.gpt import check_group_sparsity
 from bench.lr_sweep_report import markdown, plot_ratios, select_best
 from bench.optimizers import check_rule
-from bench.runner import RunConfig, run, sigterm_unwinds
+from bench.runner import RunConfig, run
 from scape import sparsity_ramp
 
 SCHEMA = "scape.lr_sweep/1"

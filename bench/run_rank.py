@@ -4,15 +4,10 @@ report one dict per rank through a queue."""
 
 from __future__ import annotations
 
-import ctypes
-import datetime
 import hashlib
 import json
 import os
-import signal
-import sys
 import time
-import traceback
 from typing import Any
 
 import torch
@@ -104,54 +99,10 @@ def _two_level(cfg: RunConfig, world: int) -> HierarchicalCommunicator:
     return HierarchicalCommunicator(intra=levels[0], inter=levels[1])
 
 
-PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
-
-
-def end_with_parent(parent: int) -> None:
-    """On Linux, have the kernel SIGKILL this process when ``parent`` (the driver) ends,
-    however it ends: a SIGKILL of the driver runs none of its cleanup, and its ranks would
-    train on. Exits at once if ``parent`` is already gone. Elsewhere a no-op."""
-    if not sys.platform.startswith("linux"):
-        return
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
-        return  # not allowed here (a sandbox): the driver's own cleanup is all there is
-    if os.getppid() != parent:  # the driver ended before the prctl
-        os._exit(1)
-
-
-def rank_main(rank: int, world: int, cfg_dict: dict[str, Any], init_file: str,
-              q: Any, parent: int | None = None) -> None:
-    """Body of one rank: train, measure, report a dict through ``q``. With ``parent`` (the
-    driver's pid) the rank ends when the driver does (:func:`end_with_parent`)."""
-    if parent is not None:
-        end_with_parent(parent)
-    try:
-        cfg = RunConfig.from_dict(cfg_dict)
-        if cfg.node_netns is not None:  # this rank's node (bench.netns_nodes)
-            netns_nodes.enter(cfg.node_netns[rank // (world // cfg.nodes)])
-            os.environ["GLOO_SOCKET_IFNAME"] = netns_nodes.NODE_IF
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        torch.set_num_threads(cfg.threads or max(1, (os.cpu_count() or 1) // world))
-        backend = "gloo"
-        if cfg.device == "cuda":  # rank r on GPU r (bench.compare checks there are enough)
-            torch.cuda.set_device(rank % torch.cuda.device_count())
-            backend = "nccl"
-        dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank,
-                                world_size=world,
-                                timeout=datetime.timedelta(seconds=cfg.timeout_s))
-        q.put(("result", rank, _train(cfg, rank, world)))
-        q.close()
-        q.join_thread()  # the result is in the pipe before any teardown below
-    except BaseException:  # noqa: BLE001 - report everything to the parent
-        q.put(("error", rank, traceback.format_exc()))
-        raise SystemExit(1) from None
-    finally:
-        if dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception:  # noqa: BLE001
-                pass
+def rank_body(rank: int, world: int, cfg_dict: dict[str, Any]) -> dict[str, Any]:
+    """Body of one rank, launched by :func:`bench.runner.run` (its process group joined):
+    train, measure, return the records."""
+    return _train(RunConfig.from_dict(cfg_dict), rank, world)
 
 
 def _train(cfg: RunConfig, rank: int, world: int) -> dict[str, Any]:

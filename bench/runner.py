@@ -44,23 +44,17 @@ SCAPE dense warm-up plus two), the same window for every optimizer of a comparis
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
-import multiprocessing as mp
 import os
-import queue
-import signal
 import statistics
 import sys
-import tempfile
-import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
+from bench.engine.launch import Ranks, launch
 from bench.run_config import OPTIMIZERS, RunConfig, load_config, lr_at
-from bench.run_rank import param_digest, rank_main
+from bench.run_rank import param_digest, rank_body
 
 __all__ = ["OPTIMIZERS", "SCHEMA", "RunConfig", "load_config", "lr_at", "main", "param_digest",
            "run", "summarize"]
@@ -74,28 +68,9 @@ def _median(xs: list[float]) -> float | None:
 
 
 # --------------------------------------------------------------------------- the driver
-def _exit_on_sigterm(signum: int, frame: Any) -> None:
-    raise SystemExit(128 + signum)
-
-
-@contextlib.contextmanager
-def sigterm_unwinds() -> Iterator[None]:
-    """Within: SIGTERM raises ``SystemExit`` (as Ctrl-C raises ``KeyboardInterrupt``), so
-    :func:`run`'s cleanup (or a caller's: :mod:`bench.lr_sweep` ``--jobs``) kills its ranks;
-    by default SIGTERM ends this process at once and the spawned ranks, orphaned, train on. A
-    no-op off the main thread (only it takes signals)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    old = signal.signal(signal.SIGTERM, _exit_on_sigterm)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, old)
-
-
 def run(cfg: RunConfig) -> dict[str, Any]:
-    """Train ``cfg`` on ``cfg.world`` spawned ranks and return the summary dict.
+    """Train ``cfg`` on ``cfg.world`` spawned ranks (:mod:`bench.engine.launch`) and return
+    the summary dict.
 
     Raises ``RuntimeError`` with every failing rank's traceback, or ``TimeoutError`` after
     killing every rank when ``cfg.timeout_s`` passes. Interrupted (Ctrl-C, or SIGTERM on the
@@ -104,49 +79,22 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     """
     if not isinstance(cfg, RunConfig):
         raise TypeError(f"run() takes a RunConfig, got {type(cfg).__name__}")
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
     started = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="scape-run-") as tmp, sigterm_unwinds():
-        init_file = os.path.join(tmp, "store")
-        procs = [ctx.Process(target=rank_main, args=(r, cfg.world, dataclasses.asdict(cfg),
-                                                      init_file, q, os.getpid()), daemon=True)
-                 for r in range(cfg.world)]
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + cfg.timeout_s
-        results: dict[int, dict[str, Any]] = {}
-        errors: dict[int, str] = {}
-        try:
-            while len(results) + len(errors) < cfg.world:
-                try:
-                    kind, rank, payload = q.get(timeout=0.2)
-                    (results if kind == "result" else errors)[rank] = payload
-                    if errors:
-                        break  # one rank failed: the others would wait on it forever
-                except queue.Empty:
-                    pass
-                if all(not p.is_alive() for p in procs) and q.empty():
-                    break
-                if time.monotonic() > deadline:
-                    raise TimeoutError(
-                        f"run {cfg.label}: {cfg.world} ranks did not finish within "
-                        f"{cfg.timeout_s:.0f} s (RunConfig.timeout_s); ranks that finished: "
-                        f"{sorted(results)}; all ranks were killed")
-        finally:
-            for p in procs:
-                p.join(timeout=0.0 if errors or len(results) < cfg.world else 10.0)
-                if p.is_alive():
-                    p.kill()
-                    p.join()
-    if errors or len(results) < cfg.world:
-        missing = [r for r in range(cfg.world) if r not in results and r not in errors]
+    per_node = cfg.world // cfg.nodes
+    spec = Ranks(world=cfg.world, timeout_s=cfg.timeout_s,
+                 backend="nccl" if cfg.device == "cuda" else "gloo", threads=cfg.threads,
+                 netns=None if cfg.node_netns is None else
+                 [cfg.node_netns[r // per_node] for r in range(cfg.world)],
+                 fail_fast=True, label=f"run {cfg.label} (RunConfig.timeout_s)")
+    outcomes = launch(rank_body, spec, dataclasses.asdict(cfg))
+    if not all(o.ok for o in outcomes):
+        errors = {o.rank: o.error for o in outcomes if not o.ok and o.exc_type is not None}
+        missing = [o.rank for o in outcomes if not o.ok and o.exc_type is None]
         text = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items()))
-        codes = ", ".join(f"rank {r}: {p.exitcode}" for r, p in enumerate(procs))
+        codes = ", ".join(f"rank {o.rank}: {o.exitcode}" for o in outcomes)
         raise RuntimeError(f"run {cfg.label} failed; ranks without a result: "
                            f"{sorted(errors) + missing} (exit codes {codes})\n{text}")
-    return summarize(cfg, [results[r] for r in range(cfg.world)],
-                     time.perf_counter() - started)
+    return summarize(cfg, [o.result for o in outcomes], time.perf_counter() - started)
 
 
 def summarize(cfg: RunConfig, ranks: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:

@@ -1,5 +1,6 @@
 """Multi-process test harness: one real process per rank, gloo over a file store, and an
-outer deadline so that a hang is a test failure, never a stuck CI.
+outer deadline so that a hang is a test failure, never a stuck CI (the benchmarks' launcher,
+:mod:`bench.engine.launch`, with one torch thread per rank).
 
     def _body(rank, world, x):            # module-level, so spawn can pickle it
         ...
@@ -16,16 +17,14 @@ Tests that launch a launcher (torchrun, ``python -m bench.runner``) find its wor
 
 from __future__ import annotations
 
-import dataclasses
-import datetime
-import multiprocessing as mp
 import os
-import queue
-import tempfile
-import time
-import traceback
 from collections.abc import Callable
 from typing import Any
+
+from bench.engine.launch import RankOutcome, Ranks, launch
+
+__all__ = ["RankOutcome", "descendants", "run_ranks", "run_ranks_outcomes", "running",
+           "spawned_ranks"]
 
 
 def descendants(pid: int) -> list[int]:
@@ -70,101 +69,20 @@ def running(pid: int) -> bool:
         return False
 
 
-@dataclasses.dataclass
-class RankOutcome:
-    rank: int
-    ok: bool                 # fn returned normally
-    result: Any = None       # fn's return value when ok
-    error: str | None = None  # traceback text when fn raised
-    exc_type: str | None = None
-    exitcode: int | None = None  # process exit code (None while running / unknown)
-
-
-def _entry(rank: int, world: int, init_file: str, pg_timeout: float, env: dict[str, str],
-           fn: Callable[..., Any], args: tuple, q: Any) -> None:
-    os.environ.update(env)
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    try:
-        if world > 0:
-            dist.init_process_group(
-                "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                timeout=datetime.timedelta(seconds=pg_timeout),
-            )
-            # gloo's init can return on one rank while another is still connecting to it: a
-            # rank whose fn needs no collective could then exit and close that connection
-            # ("Connection closed by peer" in the other rank's init)
-            dist.barrier()
-        result = fn(rank, world, *args)
-        q.put(RankOutcome(rank, True, result=result))
-    except BaseException as e:  # noqa: BLE001 - report everything to the parent
-        q.put(RankOutcome(rank, False, error=traceback.format_exc(), exc_type=type(e).__name__))
-        raise SystemExit(1) from None
-    finally:
-        if world > 0 and dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception:  # noqa: BLE001
-                pass
-
-
 def run_ranks_outcomes(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 120.0,
                        pg_timeout: float = 30.0, env: dict[str, str] | None = None,
                        ) -> list[RankOutcome]:
-    """Run ``fn(rank, world, *args)`` in ``world`` processes; return each rank's outcome.
+    """Run ``fn(rank, world, *args)`` in ``world`` processes; return each rank's outcome
+    (:class:`bench.engine.launch.RankOutcome`).
 
     A rank that exits without reporting (killed, ``os._exit``) has ``ok=False`` and its exit
     code. Raises ``TimeoutError`` if any process is still alive after ``timeout`` seconds
     (all processes are killed first).
     """
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        init_file = os.path.join(tmp, "store")
-        procs = [
-            ctx.Process(target=_entry, args=(r, world, init_file, pg_timeout, env or {}, fn,
-                                             args, q), daemon=True)
-            for r in range(world)
-        ]
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + timeout
-        outcomes: dict[int, RankOutcome] = {}
-        while len(outcomes) < world:
-            try:
-                o = q.get(timeout=0.2)
-                outcomes[o.rank] = o
-            except queue.Empty:
-                pass
-            if all(not p.is_alive() for p in procs):
-                # drain what the dead processes managed to report
-                while True:
-                    try:
-                        o = q.get(timeout=0.5)
-                        outcomes[o.rank] = o
-                    except queue.Empty:
-                        break
-                break
-            if time.monotonic() > deadline:
-                for p in procs:
-                    p.kill()
-                raise TimeoutError(
-                    f"{fn.__name__} on {world} ranks did not finish within {timeout:.0f} s; "
-                    f"ranks that reported: {sorted(outcomes)}")
-        for p in procs:
-            p.join(timeout=max(1.0, deadline - time.monotonic()))
-            if p.is_alive():
-                p.kill()
-                p.join()
-        result = []
-        for r, p in enumerate(procs):
-            o = outcomes.get(r, RankOutcome(r, False, error="rank exited without reporting"))
-            o.exitcode = p.exitcode
-            result.append(o)
-        return result
+    spec = Ranks(world=world, timeout_s=timeout, pg_timeout_s=pg_timeout, threads=1,
+                 env={"OMP_NUM_THREADS": "1", **(env or {})},
+                 label=f"{getattr(fn, '__name__', 'fn')} on {world} ranks")
+    return launch(fn, spec, *args)
 
 
 def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 120.0,

@@ -1,0 +1,85 @@
+"""The launcher of every multi-rank run (``bench.engine.launch``): outcomes by rank, progress
+to the driver, a rank that dies without a word, fail-fast, and no process left behind after
+a deadline."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from dist import running
+
+from bench.engine.launch import Ranks, launch, progress
+
+
+def _report_pid_then(rank, world, what, pid_dir):
+    with open(os.path.join(pid_dir, str(rank)), "w") as f:
+        f.write(str(os.getpid()))
+    if what == "progress":
+        for i in range(3):
+            progress((rank, i))
+        t = torch.tensor([float(rank)])
+        dist.all_reduce(t)
+        return float(t)
+    if what == "exit" and rank == 1:
+        os._exit(7)
+    if what == "raise" and rank == 0:
+        raise KeyError("rank 0 gave up")
+    if what in ("raise", "hang"):
+        time.sleep(120)
+    return rank
+
+
+def _pids(d):
+    return [int(open(os.path.join(d, f)).read()) for f in sorted(os.listdir(d))]
+
+
+def test_progress_reaches_the_driver_and_results_come_by_rank(tmp_path):
+    seen = []
+    spec = Ranks(world=3, timeout_s=60, threads=1, on_progress=lambda r, x: seen.append((r, x)))
+    out = launch(_report_pid_then, spec, "progress", str(tmp_path))
+    assert [o.result for o in out] == [3.0, 3.0, 3.0] and all(o.ok for o in out)
+    assert all(o.exitcode == 0 for o in out)
+    assert sorted(seen) == [(r, (r, i)) for r in range(3) for i in range(3)]
+    assert not any(running(p) for p in _pids(tmp_path))
+
+
+def test_a_rank_that_dies_without_a_word_is_reported_with_its_exit_code(tmp_path):
+    out = launch(_report_pid_then, Ranks(world=2, timeout_s=60, threads=1), "exit",
+                 str(tmp_path))
+    assert out[0].ok and out[0].result == 0
+    assert not out[1].ok and out[1].exitcode == 7 and "without reporting" in out[1].error
+
+
+def test_fail_fast_stops_at_the_first_failure_and_kills_the_rest(tmp_path):
+    t0 = time.monotonic()
+    out = launch(_report_pid_then, Ranks(world=2, timeout_s=100, threads=1, fail_fast=True),
+                 "raise", str(tmp_path))
+    assert time.monotonic() - t0 < 60  # rank 1 sleeps 120 s: it was killed, not awaited
+    assert not out[0].ok and out[0].exc_type == "KeyError" and "rank 0 gave up" in out[0].error
+    assert not out[1].ok and out[1].exc_type is None
+    assert not any(running(p) for p in _pids(tmp_path))
+
+
+def test_the_deadline_kills_every_rank(tmp_path):
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match="did not finish within 45 s"):  # the ranks sleep
+        launch(_report_pid_then, Ranks(world=2, timeout_s=45, threads=1), "hang",  # 120 s
+               str(tmp_path))
+    assert time.monotonic() - t0 < 100
+    pids = _pids(tmp_path)
+    assert len(pids) == 2 and not any(running(p) for p in pids)
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(world=0), "world must be an int >= 1"),
+    (dict(world=2, timeout_s=0), "timeout_s must be > 0"),
+    (dict(world=2, backend="mpi"), "backend must be"),
+    (dict(world=2, netns=["a"]), "one per rank"),
+])
+def test_bad_specs_raise(kw, match):
+    with pytest.raises(ValueError, match=match):
+        Ranks(**kw)
