@@ -7,8 +7,8 @@ A rule is a :class:`Rule`. ``update=`` of :class:`scape.SCAPE` names one in :dat
 ``auto``    the default: masks by each coordinate's gain (:func:`gain_score`, with the wait
             up to sparsity 0.974: :func:`reads_wait`), the agreement catch-up bounded at
             half its block's RMS (16 B/coordinate)
-``robust``  the same masks, the catch-up bounded at a quarter of the block's RMS: holds up
-            better when the lr is above the one tuned for dense AdamS
+``robust``  the same masks, the catch-up bounded at a quarter of the block's RMS: for an
+            lr above the one tuned for dense AdamS (docs/research.md, entry 20)
 ``early``   masks by the fresh gain at every sparsity, the owner's EMAs at 0.95 while the
             lr rises and 0.98 after (:attr:`ShardState.lr_rose`), the catch-up bounded at
             1/8 of the block's RMS up to sparsity 0.974 and 1/2 above: short runs, with

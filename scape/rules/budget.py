@@ -24,6 +24,6 @@ def reads_wait(k: int, block_size: int) -> bool:
     """Whether the masks of ``auto`` and ``robust`` read the wait (:func:`gain_score_residual`,
     else :func:`gain_score`): when a mask takes at least ``(1 - beta) / (1 + beta)`` = 1/39 of
     each block (sparsity up to 0.974), so the mean wait, ``block_size / k`` steps, is within the
-    EMA's 39; a longer wait outweighs the fresh mean (measured: docs/research.md)."""
+    EMA's 39; a longer wait outweighs the fresh mean (docs/research.md, entry 21)."""
     return k * (1.0 + NOISE_BETA) >= (1.0 - NOISE_BETA) * block_size
 

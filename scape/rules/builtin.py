@@ -89,10 +89,12 @@ def gain_selected(update: UpdateFn, score: ScoreFn = gain_score_residual, **kw: 
 
 EARLY_BETA = 0.98
 """``early``'s factor of the owner's EMAs once the lr stops rising (:data:`NOISE_BETA`, the
-other rules' 0.95, while it rises): about 99 steps, a steadier mean after the warm-up."""
+other rules' 0.95, while it rises): about 99 steps, a steadier mean after the warm-up
+(docs/research.md, "The 1/8 bound built in")."""
 EARLY_TRUST = (0.125, 0.5)
 """``early``'s catch-up bound, in its block's RMS: where a mask would read the wait
-(:func:`reads_wait`, sparsity up to 0.974), and above."""
+(:func:`reads_wait`, sparsity up to 0.974), and above (docs/research.md, "The 1/8 bound
+built in")."""
 
 
 def _early_beta(shard: ShardState) -> float:

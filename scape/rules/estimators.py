@@ -83,10 +83,10 @@ def gain_score(shard: ShardState, hp: dict, beta: float = NOISE_BETA) -> torch.T
     loss decrease per unit lr of the catch-up the rule would make (its trust bound aside).
     A coordinate whose per-step sign is a coin toss scores about its small ``sig``; it waits
     for ``explore``. The owner's mean is that of its own share of the batch, so the reading
-    is noisier the more ranks share it (measured on 4 ranks; one process fed the global
-    batch reads it better than any rank could). One fused pass on a GPU
-    (:func:`scape.kernels.gain_score`, 20 bytes per coordinate). The score is written into
-    the shard's buffer ``work["score"]`` and returned: the next call overwrites it.
+    is noisier the more ranks share it (docs/research.md, "Method", "One process or W
+    ranks"). One fused pass on a GPU (:func:`scape.kernels.gain_score`, 20 bytes per
+    coordinate). The score is written into the shard's buffer ``work["score"]`` and
+    returned: the next call overwrites it.
     """
     ex = shard.extra
     return kernel_gain_score(ex["mu"], ex["s2"], ex["s2w"], shard.age, beta=beta,
