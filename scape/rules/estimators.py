@@ -1,6 +1,7 @@
 """What a rule reads to pick its next mask: the owner's local statistics of its own gradient
 (noise and moment EMAs, kept in ``shard.extra``, observed at the start of every step) and the
-scores and fused selections computed from them."""
+scores and fused selections computed from them; :func:`unadvance_ages` puts back the ages a
+fused pass advanced for a step that was then skipped."""
 
 from __future__ import annotations
 

@@ -48,14 +48,15 @@ class Rule:
     select: Callable[..., torch.Tensor] | None = None
     """Makes the next mask itself, ``select(shard, hp, k, k_explore, block_size)`` -> int16
     ``[n_blocks, k]`` offsets: the mask ``blockwise_topk`` would take from ``score``, with the
-    two fused (:func:`gain_select_auto`). None: ``blockwise_topk`` of ``score``."""
+    two fused (:func:`scape.rules.gain_select_auto`). None: ``blockwise_topk`` of ``score``."""
     observe_select: Callable[..., torch.Tensor] | None = None
     """``observe``, the step's ages and ``select`` in one pass over the shard, before the
-    take (:func:`observe_select_gain`): ``observe_select(shard, buf, error_feedback, hp,
-    cur, k, k_explore, block_size)`` -> the next mask, where ``cur`` is the rank's rows of
-    this step's mask; it leaves the old ages at ``cur`` in ``shard.age_at_mask``, and
-    ``update`` must take them from there and set it back to None (:func:`catchup_agree`
-    does). The optimizer calls it when this step and the next are sparse."""
+    take (:func:`scape.rules.observe_select_gain`): ``observe_select(shard, buf,
+    error_feedback, hp, cur, k, k_explore, block_size)`` -> the next mask, where ``cur`` is
+    the rank's rows of this step's mask; it leaves the old ages at ``cur`` in
+    ``shard.age_at_mask``, and ``update`` must take them from there and set it back to None
+    (:func:`scape.rules.catchup_agree` does). The optimizer calls it when this step and the
+    next are sparse."""
 
     def __post_init__(self) -> None:
         if not callable(self.update):
