@@ -2,9 +2,10 @@
 without Triton (CPU tensors, ``SCAPE_KERNELS=torch``). Same result as
 :func:`scape.kernels.reference.blockwise_topk`, bit for bit, which stays the plain ground truth.
 
-Why: one ``torch.topk`` over every ``[n_blocks, block_size]`` row costs ~5 ns per entry on a
-CPU core, and making the next mask is most of a sparse step's local compute. Here each block
-is cut into ``G`` groups of ``gs`` consecutive entries:
+Why: making the next mask is most of a sparse step's local compute on a CPU, and one
+``torch.topk`` over every ``[n_blocks, block_size]`` row reads and sorts every entry of the
+shard (docs/kernels.md, "The top-k on the CPU"). Here each block is cut into ``G`` groups of
+``gs`` consecutive entries:
 
 1. one pass takes the maximum key of every group (``[n_blocks, G]``);
 2. per block, the ``m`` groups of largest ``(max, -group)`` are kept (a small ``topk``);
@@ -21,9 +22,8 @@ groups by their maximum over all entries is used: at most ``k_top`` groups have 
 maximal entry taken).
 
 ``G`` is the power of two at or above ``8 k``; when that leaves groups of fewer than 8 entries
-(``k`` above ~1.5% of the block, e.g. sparsity 0.9) the two levels cost more than they save
-(measured: 31 vs 21 ms at k = 410 of 4096 on one core), and the single-level reference path
-runs instead.
+(``k > block_size / 64``, e.g. sparsity 0.9) the two levels cost more than they save
+(docs/kernels.md, "The top-k on the CPU"), and the single-level reference path runs instead.
 
 Bytes: the score is read twice (its integer image, then the group maxima) and ``age`` twice (a
 copy with the taken entries lowered, then its group maxima); the kept entries, at most

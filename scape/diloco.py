@@ -15,7 +15,7 @@ and persists across syncs.
 Layout: the trainable parameters (in the order given) are viewed through one flat fp32
 buffer ``synced`` of length ``N_pad`` (``N`` padded to a multiple of the subclass's
 alignment; padding never moves). ``synced`` is the outer master copy in fp32; the model holds
-it cast to the model dtype, and ``delta`` is measured from that cast value, so a bf16 model's
+it cast to the model dtype, and ``delta`` is taken against that cast value, so a bf16 model's
 rounding is not mistaken for training progress. The parameters themselves are left where they
 are (the inner optimizer owns them); a sync copies them in and out of the flat buffers.
 

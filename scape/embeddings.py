@@ -2,10 +2,10 @@
 
 The rows of a token embedding (and of a head tied to it) take a gradient at every step, the
 rows of frequent tokens large and steady ones. Masks with one budget per block give them the
-share of the rest of the model, and they lag: on the byte-level GPT over 2,000 steps most of
-SCAPE's gap to dense AdamS is theirs (docs/research.md, "Where `gpt`'s lag at 0.9 is", "The
-embedding matrices' share"). A per-block budget cannot move the bytes to them: the group's
-layout is contiguous, so they fill a few ranks' shards whole.
+share of the rest of the model, and they lag behind dense AdamS more than the rest does
+(docs/research.md, "Where `gpt`'s lag at 0.9 is", "The embedding matrices' share"). A
+per-block budget cannot move the bytes to them: the group's layout is contiguous, so they
+fill a few ranks' shards whole.
 
 With ``update="early"``, :meth:`scape.SCAPE.attach` (before the first step) gives the
 ``nn.Embedding`` weights of each sparse group a bucket of their own in that group, and the
@@ -18,8 +18,8 @@ the group's blocks, the embeddings' budget per block is::
 
 (so that ``early`` keeps the group's catch-up bound and EMAs there), at most what gives them
 half of the group's bytes and at least ``k``; the rest of the group takes what is left,
-``k_r = (k - f k_e) / (1 - f)``. With the embeddings 6% of the group's blocks, at 0.9 that is
-0.5 for the embeddings and 0.924 for the rest; at 0.99, 0.98 and 0.9907.
+``k_r = (k - f k_e) / (1 - f)`` (the sparsities this gives on the benchmark workloads:
+docs/research.md, "The embedding matrices set apart inside one group").
 """
 
 from __future__ import annotations

@@ -62,7 +62,7 @@ class SCAPE(ShardedOptimizer):
         sparsity: fraction of coordinates *not* sent per step, in [0, 1); 0.99 sends 1 in 100,
             about 1/80 of a dense step's bytes (README, "Cost").
         update: how a sent coordinate is updated and how masks are chosen: ``"auto"`` (the
-            best quality measured at a tuned lr; 16 B of state per shard coordinate),
+            default, for a tuned lr; 16 B of state per shard coordinate),
             ``"robust"`` (an lr above the tuned one), ``"early"`` (short runs, with
             ``warmup_steps=1`` and :class:`scape.SparsityRamp`; with :meth:`attach` it sends
             the embedding matrices more often: :mod:`scape.embeddings`), ``"sqrt"`` (no extra

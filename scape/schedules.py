@@ -3,13 +3,12 @@ as an LR scheduler writes ``lr`` (:class:`scape.SCAPE` reads the group's value w
 makes a mask).
 
 A sparsity warm-up spends more of a run's bytes early, as Deep Gradient Compression (Lin et
-al., 2018) does. On the bundled workload it did not beat the same bytes spread evenly over the
-run (docs/research.md). Where it pays is in place of dense warm-up steps: with
-``warmup_steps=1``, a ramp from 0.5 to 0.99 (20 steps at 600 steps, 10 at 400) keeps a run
-within 1/50 of dense AdamS's bytes (the 20 default dense steps: 1/22 at 600 steps) and ended
-closer to dense AdamS than the default on two workloads, two seeds each, and so did a ramp from
-0.5 to 0.9 at 0.9 (docs/research.md, "A sparsity ramp in place of the dense warm-up", "The ramp
-at 0.9"). :class:`SparsityRamp` writes it, sized to a byte budget, as an LR scheduler does::
+al., 2018) does. Here it stands in for dense warm-up steps: with ``warmup_steps=1``, a ramp
+from 0.5 to 0.99 (20 steps at 600 steps, 10 at 400) keeps a run within 1/50 of dense AdamS's
+bytes, where the 20 default dense steps alone bring it to 1/22 at 600 steps. How such ramps
+compare with the default warm-up, and with the same bytes spread evenly over the run:
+docs/research.md, entry 11, "A sparsity ramp in place of the dense warm-up", "The ramp at
+0.9". :class:`SparsityRamp` writes it, sized to a byte budget, as an LR scheduler does::
 
     opt = scape.SCAPE(model.parameters(), lr=3e-4, sparsity=0.99, warmup_steps=1)
     ramp = scape.SparsityRamp(opt, start=0.5, total_steps=400, budget=1 / 50)  # 10 steps

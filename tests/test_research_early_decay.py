@@ -11,7 +11,7 @@ import torch
 
 import bench.research.rules as research
 from scape import rules
-from scape.catchups import catchup_agree
+from scape.rules.catchups import catchup_agree
 from tests.test_rule_early import RISE_FALL, _build, _run, _same, _steps
 
 

@@ -190,7 +190,7 @@ def lead_update(shard: ShardState, g: torch.Tensor, idx: torch.Tensor, block_siz
     catch-up starts from the coordinate's tracked position (``extra["lead"]``, the offset it
     was given at its last send, taken off first), and the coordinate is then put
     ``lead * (a + 1) * frac`` normalized steps ahead (``a + 1`` its wait, the predictor of
-    its next; ``frac`` the sign agreement of :func:`scape.catchups.catchup_agree`, here from
+    its next; ``frac`` the sign agreement of :func:`scape.rules.catchup_agree`, here from
     the updated moment), at most
     ``early``'s bound, so that it is on dense AdamS's trajectory in the middle of its next
     wait. The offset is kept for the next send; the weight decay applies to the tracked

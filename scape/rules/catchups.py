@@ -10,15 +10,12 @@ the steps a coordinate waited (:func:`catchup_agree`: the default's).
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 import torch
 
 from scape.kernels import adams_sparse_
 from scape.kernels import catchup_agree_ as kernel_catchup_agree_
-
-if TYPE_CHECKING:
-    from scape.rules import ShardState
+from scape.rules.state import ShardState
 
 
 def mask_positions(idx: torch.Tensor, block_size: int) -> torch.Tensor:
