@@ -6,7 +6,7 @@ numbers come from the library in two pieces, neither of which re-types the byte 
 
 1. **Bytes per synchronized coordinate, measured.** ``scape.SCAPE`` runs real steps on a
    small proxy (bf16 parameters, bf16 gradients on the wire -- the paper's setting) with a
-   :class:`bench.nullcomm.NullCommunicator` playing rank 0 of W (it counts bytes exactly as
+   :class:`bench.engine.nullcomm.NullCommunicator` playing rank 0 of W (it counts bytes exactly as
    the real backends do). ``opt.last_step.bytes`` of a steady dense step and of a steady
    sparse step, divided by the optimizer's own ``N_pad`` and ``K`` (``bucket.n_pad``,
    ``mask.n_blocks * mask.k``), gives bytes per coordinate for each collective, plus the
@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 import scape
-from bench.nullcomm import NullCommunicator
+from bench.engine.nullcomm import NullCommunicator
 from bench.projection import MODELS, bytes_per_step
 from scape.buffers import Bucket
 from scape.rules import RULES, block_budget

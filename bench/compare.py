@@ -1,14 +1,14 @@
 """The main job: every optimizer side by side on one workload, in two legs.
 
-**Quality leg** (the unshaped loopback): the bundled byte-level GPT (:mod:`bench.gpt`) on the
-interpreter's standard library (:mod:`bench.data`), trained once per optimizer on W gloo
-ranks with the same seed, data order, token budget and LR schedule (:mod:`bench.runner`) for
-600 steps, long enough that dense AdamS is well below the unigram plateau (~3.2 nats/byte),
+**Quality leg** (the unshaped loopback): the bundled byte-level GPT (:mod:`bench.workloads.gpt`) on
+the interpreter's standard library (:mod:`bench.workloads.data`), trained once per optimizer on W
+gloo ranks with the same seed, data order, token budget and LR schedule (:mod:`bench.engine.runner`)
+for 600 steps, long enough that dense AdamS is well below the unigram plateau (~3.2 nats/byte),
 at dense AdamS's tuned learning rate (:data:`TUNED_LR`). Reports final validation loss and
 its ratio to dense sharded AdamS, and the curves.
 
 **Speed leg** (the loopback shaped to ``--bandwidth``, 100 Mbit/s by default, where root and
-``tc`` are present; :mod:`bench.netns`): a short run of each optimizer and of the
+``tc`` are present; :mod:`bench.engine.netns`): a short run of each optimizer and of the
 compute-only floor, the same model and batch. Reports the median step, its ratio to
 compute-only, the speed-up over dense sharded AdamS, and bytes per step per rank against
 the DESIGN formula (:func:`bench.compare_report.formula_bytes`). The shaped link's delivered
@@ -19,7 +19,7 @@ rate is measured before the leg and stored.
 ``adamw_ddp``            torch.optim.AdamW + DistributedDataParallel (the standard)
 ``scape-0.9``            SCAPE at 90% sparsity, the library's defaults
 ``scape-0.99``           SCAPE at 99% sparsity, the library's defaults (the headline row)
-``topk-0.99``            raw-gradient top-k with error feedback (:mod:`bench.topk_baseline`)
+``topk-0.99``            raw-gradient top-k with error feedback (:mod:`bench.engine.topk_baseline`)
 ``compute_only``         SCAPE-0.99's per-rank work with no collectives (speed leg only)
 =======================  ====================================================================
 
@@ -28,10 +28,10 @@ Also accepted by ``--optimizers``: ``dist_adamw`` (scape.DistributedAdamW), any
 head, in their own param group at ``e``, with the research's split rule
 ``catchup_agree_trust2_accum``, registered by :mod:`bench.research.rules`), and the
 local-step rows ``sparseloco-h<H>-d<density>[-b<bits>]`` and ``diloco-h<H>``
-(:mod:`bench.local_sgd_opts`; their bytes per step are the mean over all steps, and a
+(:mod:`bench.engine.local_sgd_opts`; their bytes per step are the mean over all steps, and a
 ``steps`` that ``H`` does not divide prints a warning).
 
-Each run is ``python -m bench.runner`` in a subprocess (:mod:`bench.compare_exec`), one
+Each run is ``python -m bench.engine.runner`` in a subprocess (:mod:`bench.compare_exec`), one
 progress line with an ETA covers the plan. It prints the headline first: SCAPE-0.99's loss
 ratio, bytes ratio and speed-up in one line. Outputs in ``--out`` (default ``out/``):
 ``report.json`` (schema ``scape.compare/2``, bench/README.md), ``report.md``, ``loss.png``,
@@ -66,17 +66,17 @@ from bench.compare_report import (
     speed_table,
     verify_link,
 )
-from bench.gpt import check_group_sparsity
-from bench.local_sgd_opts import (
+from bench.engine.local_sgd_opts import (
     NAME_FORMS,
     is_local_name,
     parse_local_name,
     steady_bytes,
     sync_warning,
 )
-from bench.optimizers import OPTIMIZERS
-from bench.report import plot_bytes, plot_loss, plot_steps
-from bench.runner import RunConfig
+from bench.engine.optimizers import OPTIMIZERS
+from bench.engine.report import plot_bytes, plot_loss, plot_steps
+from bench.engine.runner import RunConfig
+from bench.workloads.gpt import check_group_sparsity
 
 __all__ = ["SCHEMA", "make_configs", "parse_name", "embed_sparsity", "main", "run_one"]
 
@@ -107,7 +107,7 @@ GUESS_STEP_S = {"tiny": 0.03, "small": 0.2}
 def parse_name(name: str) -> tuple[str, float]:
     """``"scape-0.99"`` -> ``("scape", 0.99)``; ``"adams"`` -> ``("adams", 0.0)``;
     ``"sparseloco-h8-d0.01"`` -> ``("sparseloco", 0.0)`` (its settings:
-    :func:`bench.local_sgd_opts.parse_local_name`)."""
+    :func:`bench.engine.local_sgd_opts.parse_local_name`)."""
     if is_local_name(name):
         try:
             return parse_local_name(name)[0], 0.0
@@ -132,7 +132,8 @@ def parse_name(name: str) -> tuple[str, float]:
 
 def embed_sparsity(name: str) -> float | None:
     """``"scape-0.99-embed0.9"`` -> 0.9: the embedding matrices (the tied head) in their own
-    param group at that sparsity (:func:`bench.gpt.param_groups`); None without the suffix."""
+    param group at that sparsity (:func:`bench.workloads.gpt.param_groups`); None without the
+    suffix."""
     head, sep, tail = name.partition("-embed")
     if not sep:
         return None
@@ -190,7 +191,7 @@ def sync_warnings(cfgs: list[RunConfig]) -> list[str]:
 
 def resolve_bandwidth(arg: str) -> tuple[str | None, str]:
     """``(rate or None, note)`` from ``--bandwidth`` (``auto``, ``none`` or a tc rate)."""
-    from bench.netns import available, parse_rate
+    from bench.engine.netns import available, parse_rate
 
     if arg == "none":
         return None, "unshaped loopback (--bandwidth none)"
@@ -201,7 +202,7 @@ def resolve_bandwidth(arg: str) -> tuple[str | None, str]:
         return None, (f"note: bandwidth emulation is not available ({reason}); running on the "
                       "plain loopback, so the step times are not communication-bound")
     parse_rate(arg)  # raises ValueError on a bad rate
-    from bench.netns import require
+    from bench.engine.netns import require
 
     require()
     return arg, f"shaped loopback at {arg}"
@@ -246,8 +247,8 @@ def _guess(w: dict[str, Any], rate: str | None, dense: bool) -> float:
     link its ring traffic (``2 * 4 * N * (W - 1)`` bytes cross the one shared loopback)."""
     step = GUESS_STEP_S.get(w["model"], 1.0)
     if dense and rate is not None:
-        from bench.gpt import GPT, get_config, num_params
-        from bench.netns import parse_rate
+        from bench.engine.netns import parse_rate
+        from bench.workloads.gpt import GPT, get_config, num_params
 
         n = num_params(GPT(get_config(w["model"])))
         step += 64 * n * (w["world"] - 1) / parse_rate(rate)

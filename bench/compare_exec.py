@@ -1,4 +1,4 @@
-"""Running the main job's plan: one ``python -m bench.runner`` subprocess per run (inside a
+"""Running the main job's plan: one ``python -m bench.engine.runner`` subprocess per run (inside a
 shaped network namespace when asked), and one progress line with an ETA for the whole plan.
 
 The ETA comes from a cost model per step that the runs themselves calibrate: every run
@@ -22,7 +22,7 @@ import time
 from collections.abc import Iterator
 from typing import Any, TextIO
 
-from bench.run_config import RunConfig
+from bench.engine.run_config import RunConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STARTUP_S = 8.0
@@ -35,7 +35,7 @@ def _launcher(cmd: list[str], bandwidth: str | None) -> Iterator[list[str]]:
     if bandwidth is None:
         yield cmd
     else:
-        from bench.netns import shaped_command
+        from bench.engine.netns import shaped_command
 
         with shaped_command(cmd, bandwidth) as wrapped:
             yield wrapped
@@ -55,10 +55,10 @@ def run_env(device: str, bandwidth: str | None) -> dict[str, str]:
 
 def run_one(cfg: RunConfig, out_path: str, bandwidth: str | None,
             on_step: Any = None) -> dict[str, Any]:
-    """Run ``cfg`` through ``python -m bench.runner`` (in a shaped namespace if asked) and
+    """Run ``cfg`` through ``python -m bench.engine.runner`` (in a shaped namespace if asked) and
     return its result. ``on_step(done, total)`` is called on each progress line; without it
     the run's output is echoed (every 10th step line)."""
-    cmd = [sys.executable, "-m", "bench.runner", "--config",
+    cmd = [sys.executable, "-m", "bench.engine.runner", "--config",
            json.dumps(dataclasses.asdict(cfg)), "--out", out_path]
     tail: list[str] = []
     with _launcher(cmd, bandwidth) as argv:

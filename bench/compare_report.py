@@ -8,8 +8,8 @@ import platform
 import subprocess
 from typing import Any
 
-from bench.local_sgd_opts import steady_bytes
-from bench.report import fmt, markdown_table
+from bench.engine.local_sgd_opts import steady_bytes
+from bench.engine.report import fmt, markdown_table
 from scape.rules import block_budget
 
 SCHEMA = "scape.compare/2"
@@ -81,7 +81,7 @@ def speed_table(runs: list[dict[str, Any]], world: int) -> list[dict[str, Any]]:
     """Per speed-leg run: median step, its ratio to compute-only, the speed-up over dense
     sharded AdamS, and bytes per step per rank against the formula and against dense.
 
-    ``bytes_per_step`` is :func:`bench.local_sgd_opts.steady_bytes`: the per-step median for
+    ``bytes_per_step`` is :func:`bench.engine.local_sgd_opts.steady_bytes`: the per-step median for
     optimizers that communicate every step, the mean over all steps for the local-step ones
     (``bytes_basis`` says which)."""
     by = {r["name"]: r for r in runs}
@@ -183,12 +183,12 @@ def environment(device: str, device_name: str | None) -> dict[str, Any]:
 
 def verify_link(rate: str | None, seconds: float = 1.0) -> dict[str, Any]:
     """The speed leg's link: the requested tc rate and the rate one TCP stream is delivered
-    at through a fresh namespace shaped the same way (:func:`bench.netns.measure_tcp_rate`);
+    at through a fresh namespace shaped the same way (:func:`bench.engine.netns.measure_tcp_rate`);
     unshaped: the loopback's own rate is not measured (it is not the bottleneck)."""
     if rate is None:
         return {"requested": None, "requested_bps": None, "delivered_bps": None,
                 "label": "unshaped loopback"}
-    from bench.netns import format_rate, measure_tcp_rate, parse_rate, shaped_namespace
+    from bench.engine.netns import format_rate, measure_tcp_rate, parse_rate, shaped_namespace
 
     bits = parse_rate(rate)
     with shaped_namespace(bits) as ns:

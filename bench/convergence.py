@@ -12,15 +12,15 @@ to the single-rank residual; the reduce-scatter (avg) delivers the global-batch 
 masks are per block and do not depend on W (padding aside). The ablation therefore runs
 W = 1 with the global batch and spends the machine's cores on the model instead of on
 process overhead; ``--check-world 4`` re-runs the first sparse variant on 4 gloo ranks
-through :mod:`bench.runner` (same data, schedule and seed) to confirm the equivalence on
+through :mod:`bench.engine.runner` (same data, schedule and seed) to confirm the equivalence on
 this workload. (The raw-gradient top-k peer
 baseline is *not* W-invariant; it is measured by ``bench.compare`` on W ranks.)
 
 **Local-step rows** (``--local``): SparseLoCo and DiLoCo are *not* W-invariant either (each
 rank trains alone between syncs), so they run on ``--world`` gloo ranks (default 4) through
-:mod:`bench.runner`, each rank on its ``1/W`` of the same global batch: the same tokens, lr
+:mod:`bench.engine.runner`, each rank on its ``1/W`` of the same global batch: the same tokens, lr
 schedule, seed, data order and validation windows as the single-process rows. The inner
-optimizer is AdamW (:mod:`bench.optimizers`) at the ablation's lr (the
+optimizer is AdamW (:mod:`bench.engine.optimizers`) at the ablation's lr (the
 dense sweep's choice, or ``--local-lr``, which labels the rows). Row names are
 ``sparseloco-h<H>-d<density>[-b<bits>]`` and ``diloco-h<H>`` (``all``: :data:`LOCAL_ROWS`).
 They are evaluated at sync points (every multiple of ``H`` near ``eval_every``) and at the
@@ -68,10 +68,10 @@ from bench.convergence_train import (
     train_local,
     train_ranks,
 )
-from bench.data import load_corpus
-from bench.local_sgd_opts import parse_local_name, sync_warning
+from bench.engine.local_sgd_opts import parse_local_name, sync_warning
+from bench.engine.runner import run
 from bench.research.rows import variants
-from bench.runner import run
+from bench.workloads.data import load_corpus
 
 __all__ = ["DENSE_LRS", "LOCAL_ROWS", "SCHEMA", "Workload", "build_optimizer",
            "dense_bytes_per_step", "gap_series", "local_variant", "main", "plot_gap",
@@ -108,17 +108,19 @@ def main(argv: list[str] | None = None) -> int:
                          "only with a dense run of the same seed)")
     ap.add_argument("--smoke", action="store_true", help="tiny model, a few steps")
     ap.add_argument("--check-world", type=int, default=0,
-                    help="re-run the first sparse variant on this many gloo ranks (bench.runner)"
-                         " and report its final loss beside the single-process one")
+                    help="re-run the first sparse variant on this many gloo ranks "
+                         "(bench.engine.runner) and report its final loss beside the "
+                         "single-process one")
     ap.add_argument("--local", nargs="+", default=None, metavar="NAME",
                     help="local-step rows on --world gloo ranks: sparseloco-h<H>-d<density>"
                          "[-b<bits>], diloco-h<H>, or 'all' (" + " ".join(LOCAL_ROWS) + ")")
     ap.add_argument("--world", type=int, default=None,
                     help="ranks of the local-step rows (default 4; 2 with --smoke)")
     ap.add_argument("--ranks", type=int, default=0,
-                    help="train the ablation rows on this many gloo ranks (bench.runner), each "
-                         "fed batch/ranks sequences, instead of one process fed the global "
-                         "batch: the rules' local statistics are then a real run's")
+                    help="train the ablation rows on this many gloo ranks "
+                         "(bench.engine.runner), each fed batch/ranks sequences, instead of "
+                         "one process fed the global batch: the rules' local statistics are "
+                         "then a real run's")
     ap.add_argument("--local-lr", type=float, default=None,
                     help="inner AdamW lr of the local-step rows (default: the ablation's lr; "
                          "another value is added to the row names)")

@@ -8,8 +8,8 @@ import json
 import math
 from typing import Any
 
-from bench.optimizers import LOCAL_STEPS as LOCAL_SGD
-from bench.report import plot_points
+from bench.engine.optimizers import LOCAL_STEPS as LOCAL_SGD
+from bench.engine.report import plot_points
 
 SCHEMA = "scape.convergence/1"
 """``schema`` field of a result file of :mod:`bench.convergence`."""

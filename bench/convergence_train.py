@@ -1,7 +1,8 @@
 """Training of the convergence ablation (:mod:`bench.convergence`): the :class:`Workload`
 every row shares, one row in one process fed the global batch (:func:`train`), a row on W gloo
-ranks through :mod:`bench.runner` (:func:`train_ranks`, :func:`train_local` for the local-step
-rows) and the dense reference bytes. The rows themselves are :mod:`bench.research.rows`."""
+ranks through :mod:`bench.engine.runner` (:func:`train_ranks`, :func:`train_local` for the
+local-step rows) and the dense reference bytes. The rows themselves are
+:mod:`bench.research.rows`."""
 
 from __future__ import annotations
 
@@ -13,14 +14,14 @@ from typing import Any
 import torch
 
 import scape
-from bench.data import batch_at, eval_loss
-from bench.gpt import GPT, get_config, num_params, param_groups
-from bench.local_sgd_opts import LOCAL_SGD, parse_local_name
-from bench.nullcomm import NullCommunicator
-from bench.optimizers import Spec, build
+from bench.engine.local_sgd_opts import LOCAL_SGD, parse_local_name
+from bench.engine.nullcomm import NullCommunicator
+from bench.engine.optimizers import Spec, build
+from bench.engine.runner import RunConfig, lr_at, run
 from bench.research.rotate import Rotated
 from bench.research.rows import TRAINING_KEYS, Allotment, ramp_sparsity, trust_rule
-from bench.runner import RunConfig, lr_at, run
+from bench.workloads.data import batch_at, eval_loss
+from bench.workloads.gpt import GPT, get_config, num_params, param_groups
 
 
 @dataclasses.dataclass
@@ -28,7 +29,7 @@ class Workload:
     """The training setup every variant shares."""
 
     model: str = "small"
-    """bench.gpt preset."""
+    """bench.workloads.gpt preset."""
     steps: int = 400
     """Optimizer steps."""
     batch: int = 16
@@ -52,15 +53,16 @@ class Workload:
 
 
 ONE_PROCESS_ROWS = (
-    ("trust_lr", "scheduled-bound", "bench.runner has no rule schedule"),
-    ("allot", "automatic-split", "bench.runner has no sparsity schedule"),
-    ("transform", "transform-domain", "bench.research.rotate is not wired into bench.runner"),
+    ("trust_lr", "scheduled-bound", "bench.engine.runner has no rule schedule"),
+    ("allot", "automatic-split", "bench.engine.runner has no sparsity schedule"),
+    ("transform", "transform-domain",
+     "bench.research.rotate is not wired into bench.engine.runner"),
 )
 """``(variant key, rows, why)``: the rows a run on more than one rank refuses."""
 
 
 def run_config(variant: dict[str, Any], w: Workload, world: int) -> RunConfig:
-    """The same run as :func:`train` for :mod:`bench.runner` on ``world`` ranks (a local-step
+    """The same run as :func:`train` for :mod:`bench.engine.runner` on ``world`` ranks (a local-step
     variant, ``optimizer`` in ``LOCAL_SGD``, is evaluated at multiples of its ``H``). A
     ``-ramp`` row takes the runner's ramp (``RunConfig.sparsity_ramp``: sparse step ``j``
     sends the mask made at ``ramp(j)``, as :class:`scape.SparsityRamp`), one step ahead of
@@ -93,7 +95,7 @@ def run_config(variant: dict[str, Any], w: Workload, world: int) -> RunConfig:
 
 def build_optimizer(model: torch.nn.Module, variant: dict[str, Any], w: Workload,
                     comm: Any = None) -> tuple[torch.optim.Optimizer, Any]:
-    """The variant's optimizer (:mod:`bench.optimizers`: ``dist_adamw`` for an ``"adamw"``
+    """The variant's optimizer (:mod:`bench.engine.optimizers`: ``dist_adamw`` for an ``"adamw"``
     row, else ``scape`` or, at sparsity 0, ``adams``), and its
     :class:`bench.research.rotate.Rotated` (None unless the variant has a ``transform``: then
     the ``decay`` group trains in that transform domain)."""
@@ -188,7 +190,7 @@ def local_variant(name: str, lr: float, label_lr: bool = False) -> dict[str, Any
 
 
 def train_local(variant: dict[str, Any], w: Workload, world: int) -> dict[str, Any]:
-    """A local-step row on ``world`` gloo ranks through :mod:`bench.runner`."""
+    """A local-step row on ``world`` gloo ranks through :mod:`bench.engine.runner`."""
     res = run(run_config(variant, w, world))
     h = variant["sync_every"]
     at_sync = [(s, v) for s, v in res["val_curve"] if s % h == 0]
@@ -210,7 +212,7 @@ def train_local(variant: dict[str, Any], w: Workload, world: int) -> dict[str, A
 
 
 def train_ranks(variant: dict[str, Any], w: Workload, world: int) -> dict[str, Any]:
-    """A row on ``world`` gloo ranks through :mod:`bench.runner` (``--ranks``): each rank
+    """A row on ``world`` gloo ranks through :mod:`bench.engine.runner` (``--ranks``): each rank
     sees its own ``batch / world`` sequences, so the rules' local statistics (the noise EMA,
     the gain masks' mean) are those of a real run, not of the global batch."""
     res = run(run_config(variant, w, world))

@@ -14,7 +14,7 @@ import argparse
 
 import torch
 
-from bench.optimizers import Spec, build
+from bench.engine.optimizers import Spec, build
 
 
 def run(sparsity: float, lr: float, update: str, steps: int = 120) -> tuple[float, float]:

@@ -15,16 +15,17 @@ defaults otherwise (20 dense warm-up steps for the sparse rows):
 
 =========  =============================================================================
 ``gpt``    the bundled ``small`` GPT (836,736 parameters, tied head) on the standard
-           library's Python sources (:mod:`bench.gpt`, :mod:`bench.data`)
+           library's Python sources (:mod:`bench.workloads.gpt`, :mod:`bench.workloads.data`)
 ``llama``  ``llama-small`` (1,252,992 parameters: RMSNorm, SwiGLU, rotary, untied head) on
-           the English prose CPython ships (:mod:`bench.llama`, :mod:`bench.prose`)
+           the English prose CPython ships (:mod:`bench.workloads.llama`,
+           :mod:`bench.workloads.prose`)
 =========  =============================================================================
 
-Every run is :func:`bench.runner.run` on W=4 gloo ranks (global batch 16 x 128 bytes, betas
+Every run is :func:`bench.engine.runner.run` on W=4 gloo ranks (global batch 16 x 128 bytes, betas
 (0.9, 0.95), validation loss on 128 fixed held-out windows). Optimizers (``--optimizers``):
 ``adams`` (dense sharded AdamS, the reference), ``scape-<s>``, ``topk-<s>`` (raw-gradient
-top-k, :mod:`bench.topk_baseline`); ``scape-<s>@<rule>`` trains SCAPE with ``update=<rule>``, a
-built-in or research rule name (:mod:`bench.research.rules`); ``scape-<s>-embed<e>-head<h>``
+top-k, :mod:`bench.engine.topk_baseline`); ``scape-<s>@<rule>`` trains SCAPE with ``update=<rule>``,
+a built-in or research rule name (:mod:`bench.research.rules`); ``scape-<s>-embed<e>-head<h>``
 (either suffix alone too) puts the embedding matrices, the untied head, in param groups of
 their own at that sparsity, every group still decayed; ``-ramp<s0>x<n>`` (after those) ramps
 the sparsity from ``s0`` over the first ``n`` sparse steps (:func:`scape.sparsity_ramp`);
@@ -64,10 +65,10 @@ from typing import Any, NamedTuple
 from bench.compare import parse_name
 from bench.compare_report import environment
 from bench.engine.launch import sigterm_unwinds
-from bench.gpt import check_group_sparsity
+from bench.engine.optimizers import check_rule
+from bench.engine.runner import RunConfig, run
 from bench.lr_sweep_report import markdown, plot_ratios, select_best
-from bench.optimizers import check_rule
-from bench.runner import RunConfig, run
+from bench.workloads.gpt import check_group_sparsity
 from scape import sparsity_ramp
 
 SCHEMA = "scape.lr_sweep/1"
@@ -89,8 +90,8 @@ DEFAULTS = {"optimizers": ["adams", "scape-0.9", "scape-0.99", "topk-0.99"],
             "lrs": [3e-4, 1e-3, 3e-3], "steps": [600]}
 SMOKE = {"optimizers": ["adams", "scape-0.99"], "lrs": [1e-3, 3e-3], "steps": [6]}
 GROUP_SUFFIXES = ("embed", "head")
-"""Row suffixes ``-embed<s>``, ``-head<s>``: that :func:`bench.gpt.param_groups` group at its
-own sparsity, every group still decayed (:func:`bench.run_rank.make_groups`)."""
+"""Row suffixes ``-embed<s>``, ``-head<s>``: that :func:`bench.workloads.gpt.param_groups` group at
+its own sparsity, every group still decayed (:func:`bench.engine.run_rank.make_groups`)."""
 GUESS_STEP_S = {"small": 0.15, "llama-small": 0.2}
 """Seconds per step on 2 cores before one run of the workload has finished (the ETA)."""
 
@@ -113,9 +114,9 @@ class Row(NamedTuple):
     """``(start, ramp_steps)`` of a sparsity ramp after the dense warm-up (None: none)."""
     follow: float | None = None
     """``-follow<q>``: the density follows ``(lr / peak)^q`` after the ramp, at the same mean
-    (:attr:`bench.runner.RunConfig.sparsity_follows_lr`; None: not)."""
+    (:attr:`bench.engine.runner.RunConfig.sparsity_follows_lr`; None: not)."""
     drift: bool = False
-    """``-drift``: :attr:`bench.runner.RunConfig.drift`."""
+    """``-drift``: :attr:`bench.engine.runner.RunConfig.drift`."""
 
 
 def parse_row(optimizer: str) -> Row:

@@ -14,7 +14,7 @@ import math
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from bench.report import _pyplot, fmt, markdown_table
+from bench.engine.report import _pyplot, fmt, markdown_table
 
 REFERENCE = "adams"
 """The optimizer every ratio divides by (dense sharded AdamS)."""

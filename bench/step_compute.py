@@ -1,8 +1,8 @@
 """Local compute of one optimizer step: SCAPE-0.9/0.99 against dense sharded AdamS.
 
 Everything a rank runs in ``opt.step()`` except waiting on the network: the collectives go
-through :class:`bench.nullcomm.NullCommunicator`, which completes at once but touches the same
-buffers, so the timing holds every kernel, copy and Python line of the step for rank 0 of W.
+through :class:`bench.engine.nullcomm.NullCommunicator`, which completes at once but touches the
+same buffers, so the timing holds every kernel, copy and Python line of the step for rank 0 of W.
 Gradients are refilled (untimed) before each step with the same random values.
 
 Target: SCAPE-0.99's local compute <= 1.3x dense sharded AdamS's on the same model and W.
@@ -31,10 +31,10 @@ from typing import Any
 import torch
 
 import scape
-from bench import optimizers
 from bench.compare_report import environment
-from bench.gpt import GPT, get_config, num_params, param_groups
-from bench.nullcomm import NullCommunicator
+from bench.engine import optimizers
+from bench.engine.nullcomm import NullCommunicator
+from bench.workloads.gpt import GPT, get_config, num_params, param_groups
 
 SCHEMA = "scape.step_compute/1"
 OPTIMIZERS = {
@@ -43,14 +43,14 @@ OPTIMIZERS = {
     "scape_0.99": ("scape", 0.99, {"warmup_steps": 1}),
     "dist_adamw": ("dist_adamw", 0.0, {}),
 }
-"""Row name -> (:mod:`bench.optimizers` entry, sparsity, keyword arguments)."""
+"""Row name -> (:mod:`bench.engine.optimizers` entry, sparsity, keyword arguments)."""
 
 
 def build(model_name: str, world: int, kind: str, update: str | None = None,
           device: str = "cpu", groups: bool = False) -> tuple[torch.optim.Optimizer, int]:
     """One optimizer of :data:`OPTIMIZERS` on a fresh model on ``device``; ``update`` picks
     the rule of the SCAPE rows (default: the library's). ``groups``: the model's ``decay`` and
-    ``no_decay`` param groups (:func:`bench.gpt.param_groups`) instead of one group."""
+    ``no_decay`` param groups (:func:`bench.workloads.gpt.param_groups`) instead of one group."""
     model = GPT(get_config(model_name), seed=0).to(device)
     comm = NullCommunicator(world, 0, device)
     params: Any = list(model.parameters())

@@ -1,9 +1,9 @@
 """Step time under a shaped link: median step time of dense sharded AdamS, SCAPE-0.9,
 SCAPE-0.99 and the compute-only floor at W=4, at 50, 100 and 1000 Mbit/s and unshaped.
 
-Each cell is one :mod:`bench.runner` run (the workload of ``bench.compare``: the ``small``
+Each cell is one :mod:`bench.engine.runner` run (the workload of ``bench.compare``: the ``small``
 GPT, 4 sequences of 128 bytes per rank and step) inside a fresh shaped network namespace
-(:mod:`bench.netns`). Runs are short: ``--warmup`` dense steps (they only build SCAPE's first
+(:mod:`bench.engine.netns`). Runs are short: ``--warmup`` dense steps (they only build SCAPE's first
 moment; their length does not change a sparse step's cost), two more, then ``--timed`` steps
 whose median is reported. The compute-only run never communicates, so it is measured once,
 unshaped, and is the denominator of every rate's ratio.
@@ -24,7 +24,7 @@ from typing import Any
 
 from bench.compare import make_configs
 from bench.compare_exec import run_one
-from bench.report import fmt, markdown_table
+from bench.engine.report import fmt, markdown_table
 
 SCHEMA = "scape.step_time/1"
 RATES = ("50mbit", "100mbit", "1gbit", "none")
@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     w = workload(args.smoke, args.warmup, args.timed)
     rates = [None if r == "none" else r for r in args.rates]
     if any(rates):
-        from bench.netns import require
+        from bench.engine.netns import require
 
         require()
     runs_dir = args.runs_dir or os.path.join(os.path.dirname(os.path.abspath(args.out)),

@@ -2,7 +2,7 @@
 
 **Speed leg** (per ``--bandwidth``, 100 Mbit/s and 1 Gbit/s by default): each node is a
 network namespace, the two joined by a veth pair shaped to the rate each way; the ranks of
-one node talk over their namespace's loopback, not shaped (:mod:`bench.netns_nodes`). The
+one node talk over their namespace's loopback, not shaped (:mod:`bench.engine.netns_nodes`). The
 link's delivered rate and the loopback's are measured first and stored. Then, the same
 model and batch, a short run each of:
 
@@ -39,11 +39,11 @@ import sys
 import time
 from typing import Any
 
-from bench import netns_nodes
 from bench.compare_report import ENTRY_BYTES, environment, mask_coords
-from bench.netns import available
-from bench.run_config import RunConfig
-from bench.runner import run
+from bench.engine import netns_nodes
+from bench.engine.netns import available
+from bench.engine.run_config import RunConfig
+from bench.engine.runner import run
 
 SCHEMA = "scape.two_level/1"
 NODES, PER_NODE = 2, 2

@@ -11,7 +11,7 @@ outer deadline so that a hang is a test failure, never a stuck CI (the benchmark
 ``run_ranks`` raises ``AssertionError`` with every failing rank's traceback, or
 ``TimeoutError`` (after killing every process) when the deadline passes. Tests that expect a
 rank to die or raise use ``run_ranks_outcomes``, which returns what happened on each rank.
-Tests that launch a launcher (torchrun, ``python -m bench.runner``) find its workers with
+Tests that launch a launcher (torchrun, ``python -m bench.engine.runner``) find its workers with
 ``descendants`` (its spawned ranks: ``spawned_ranks``) and ask ``running`` whether each is left.
 """
 
@@ -46,7 +46,7 @@ def descendants(pid: int) -> list[int]:
 
 
 def spawned_ranks(pid: int) -> list[int]:
-    """The ``multiprocessing`` spawn children below ``pid`` (``bench.runner``'s ranks), not
+    """The ``multiprocessing`` spawn children below ``pid`` (``bench.engine.runner``'s ranks), not
     multiprocessing's resource tracker."""
     out = []
     for child in descendants(pid):

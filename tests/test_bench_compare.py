@@ -20,9 +20,9 @@ from bench.compare_report import (
     render_markdown,
     speed_table,
 )
-from bench.local_sgd_opts import parse_local_name
-from bench.runner import RunConfig, lr_at, summarize
-from bench.topk_baseline import TopKAdamS
+from bench.engine.local_sgd_opts import parse_local_name
+from bench.engine.runner import RunConfig, lr_at, summarize
+from bench.engine.topk_baseline import TopKAdamS
 
 SIZES = (700, 1300, 45)  # three parameters; the buffer is padded to a multiple of W*B
 BLOCK = 256

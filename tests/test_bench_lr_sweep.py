@@ -12,11 +12,18 @@ import sys
 import pytest
 import torch
 
-from bench.llama import PRESETS, Llama, LlamaConfig, apply_rotary, make_model, rotary_tables
+from bench.engine.runner import RunConfig
 from bench.lr_sweep import COMMON, WORKLOADS, make_config, parse_row
 from bench.lr_sweep_report import curves, markdown, select_best
-from bench.prose import NAME, chunks, load, load_prose, paragraphs, split
-from bench.runner import RunConfig
+from bench.workloads.llama import (
+    PRESETS,
+    Llama,
+    LlamaConfig,
+    apply_rotary,
+    make_model,
+    rotary_tables,
+)
+from bench.workloads.prose import NAME, chunks, load, load_prose, paragraphs, split
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -35,7 +42,7 @@ def test_prose_corpus_is_deterministic_and_non_empty():
     assert list(a.train_files) == sorted(a.train_files)
     text = bytes(a.train[:2000].tolist()).decode("utf-8", errors="replace")
     assert sum(c.isalpha() for c in text) > 0.6 * len(text)  # prose, mostly letters
-    assert load(None).split_rule == "path-hash"  # anything else is bench.data's
+    assert load(None).split_rule == "path-hash"  # anything else is bench.workloads.data's
 
 
 def test_prose_splits_are_disjoint():
@@ -78,8 +85,8 @@ def test_llama_shapes_backward_and_determinism():
 
 
 def test_llama_small_size_and_the_model_registry():
-    from bench.gpt import GPT, num_params
-    from bench.run_config import RunConfig
+    from bench.engine.run_config import RunConfig
+    from bench.workloads.gpt import GPT, num_params
 
     assert num_params(make_model("llama-small")) == 1_252_992
     assert isinstance(make_model("tiny"), GPT)
@@ -251,7 +258,7 @@ def test_a_rule_suffix_reaches_scape_rows_and_bad_ones_are_refused():
 
 
 def test_group_suffixes_split_the_one_group_and_keep_its_decay():
-    from bench.run_rank import make_groups
+    from bench.engine.run_rank import make_groups
 
     assert parse_row("scape-0.99-embed0.9-head0.97@robust") == \
         ("scape", 0.99, "robust", {"embed": 0.9, "head": 0.97}, None, None, False)
@@ -311,7 +318,7 @@ def test_a_follow_row_spends_the_same_bytes_while_the_lr_is_high(q):
     """``-follow<q>`` reaches ``RunConfig.sparsity_follows_lr``; the density after the ramp
     follows ``(lr / peak)^q`` (largest at the peak, falling with the cosine) and its mean over
     those steps is the row's own."""
-    from bench.run_config import follow_density, follow_mean, lr_at
+    from bench.engine.run_config import follow_density, follow_mean, lr_at
 
     row = f"scape-0.99-ramp0.5x20-follow{q:g}@early"
     assert parse_row(row) == ("scape", 0.99, "early", None, (0.5, 20), q, False)

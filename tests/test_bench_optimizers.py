@@ -1,4 +1,4 @@
-"""bench.optimizers: the one table the benchmarks build their optimizers from, the research
+"""bench.engine.optimizers: the one table the benchmarks build their optimizers from, the research
 rule names it takes, and the keyword arguments it refuses with what replaces them."""
 
 from __future__ import annotations
@@ -10,10 +10,17 @@ import sys
 import pytest
 import torch
 
-from bench.gpt import GPT, get_config, param_groups
-from bench.nullcomm import NullCommunicator
-from bench.optimizers import LOCAL_STEPS, OPTIMIZERS, REMOVED_KWARGS, Spec, build, check_kwargs
-from bench.run_config import RunConfig
+from bench.engine.nullcomm import NullCommunicator
+from bench.engine.optimizers import (
+    LOCAL_STEPS,
+    OPTIMIZERS,
+    REMOVED_KWARGS,
+    Spec,
+    build,
+    check_kwargs,
+)
+from bench.engine.run_config import RunConfig
+from bench.workloads.gpt import GPT, get_config, param_groups
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -75,7 +82,7 @@ def test_research_rule_names_build_in_a_fresh_process():
     from its name, and takes every research rule by name."""
     code = (
         "import torch\n"
-        "from bench.optimizers import Spec, build\n"
+        "from bench.engine.optimizers import Spec, build\n"
         "p = [torch.nn.Parameter(torch.zeros(4096))]\n"
         "for update in ('catchup_agree_trust2_accum-explore0.2-noef', 'catchup_snr_accum'):\n"
         "    opt = build('scape', p, Spec(lr=1e-3, sparsity=0.9, kwargs={'update': update}))\n"

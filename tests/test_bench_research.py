@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from bench.nullcomm import NullCommunicator
+from bench.engine.nullcomm import NullCommunicator
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -50,7 +50,7 @@ def test_convergence_group_sparsity_rows(tmp_path):
     """Per-group sparsity rows (--smoke runs at 0.9) run; keeping the embeddings dense sends
     their fp32 gradient and parameters beside the sparse rest; and the split ablation still
     equals the same run on 2 gloo ranks."""
-    from bench.gpt import GPT, get_config
+    from bench.workloads.gpt import GPT, get_config
 
     names = ["catchup_sqrt_accum-embed0", "catchup_sqrt_accum-vec0"]
     rep = _run("bench.convergence", str(tmp_path / "g.json"), "--lr", "0.003", "--no-dense",
@@ -164,7 +164,7 @@ def test_convergence_local_step_row_smoke(tmp_path):
     step are README's formula (record bytes * W / H) and the dense reference is what a real
     dense sharded AdamS step of this model counts at W=2."""
     from bench.convergence import table
-    from bench.gpt import GPT, get_config, param_groups
+    from bench.workloads.gpt import GPT, get_config, param_groups
 
     rep = _run("bench.convergence", str(tmp_path / "c.json"), "--variants", "none",
                "--local", "sparseloco-h3-d0.03", "--adamw-reference")
@@ -310,8 +310,8 @@ def test_convergence_ramp_rows():
     sparse step than the same row without it, the same once the ramp is over; on ranks it is
     the runner's ramp over the same share of the run."""
     from bench.convergence import Workload, run_config, train
-    from bench.data import load_corpus
     from bench.research.rows import variants
+    from bench.workloads.data import load_corpus
 
     names = [v["name"] for v in variants([0.99], ["catchup_agree_trust2_accum-ramp0.9x0.2"])]
     assert names == ["catchup_agree_trust2_accum-ramp0.9x0.2@0.99"]
@@ -348,8 +348,8 @@ def test_convergence_auto_rows():
     groups that read higher denser, the coordinates per step those of every group at the row's
     sparsity, a floor kept where set; the runner refuses it."""
     from bench.convergence import Workload, run_config, train
-    from bench.data import load_corpus
     from bench.research.rows import variants
+    from bench.workloads.data import load_corpus
 
     (row,) = variants([0.99], ["catchup_agree_trust2_accum-auto2"])
     assert row["allot"] == (2.0, 100, "m") and row["group_sparsity"] == {"embed": 0.99, "pos": 0.99}
@@ -421,7 +421,7 @@ def test_convergence_trust_lr_row_with_the_gain_split():
     """``-autog1-trustlr``: the bound follows the lr from c = 1/2 at the peak towards 1/4 while
     the Allotment splits by gain; it moves the run, and the runner refuses it."""
     from bench.convergence import Workload, run_config, train
-    from bench.data import load_corpus
+    from bench.workloads.data import load_corpus
 
     w = Workload(model="tiny", steps=14, batch=4, seq=64, eval_every=14, eval_seqs=4, threads=1)
     corpus = load_corpus()

@@ -1,5 +1,5 @@
-"""``bench.runner.run`` ends its ranks when its process is told to stop: a SIGTERM to a
-``python -m bench.runner`` (as a job scheduler or ``kill`` sends) used to end the driver at
+"""``bench.engine.runner.run`` ends its ranks when its process is told to stop: a SIGTERM to a
+``python -m bench.engine.runner`` (as a job scheduler or ``kill`` sends) used to end the driver at
 once and leave its spawned ranks training on under init; a SIGKILL (``kill -9``, the OOM
 killer), which no handler sees, still does without the kernel's parent-death signal."""
 
@@ -29,7 +29,7 @@ def test_signal_ends_every_rank(tmp_path, sig):
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     log = tmp_path / "stderr"  # a file, not a pipe: orphaned ranks would hold a pipe open
     with open(log, "wb") as err:
-        driver = subprocess.Popen([sys.executable, "-m", "bench.runner", "--config",
+        driver = subprocess.Popen([sys.executable, "-m", "bench.engine.runner", "--config",
                                    json.dumps(CONFIG)], cwd=ROOT, env=env,
                                   stdout=subprocess.DEVNULL, stderr=err)
     ranks: list[int] = []

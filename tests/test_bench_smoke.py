@@ -27,9 +27,9 @@ def _library_bytes(sparsity: float, world: int, group_sparsity: dict[str, float]
                    update: str = "auto") -> tuple[int, int]:
     """(dense step, steady sparse step) bytes of scape.SCAPE on the tiny model's param groups,
     from ``opt.last_step.bytes`` with a counting communicator playing rank 0 of ``world``."""
-    from bench.gpt import GPT, get_config, param_groups
-    from bench.nullcomm import NullCommunicator
-    from bench.optimizers import Spec, build
+    from bench.engine.nullcomm import NullCommunicator
+    from bench.engine.optimizers import Spec, build
+    from bench.workloads.gpt import GPT, get_config, param_groups
 
     model = GPT(get_config("tiny"), seed=0)
     groups = param_groups(model, 0.1, group_sparsity)
@@ -60,7 +60,7 @@ QUALITY_ROWS = ["adams", "adamw_ddp", "scape-0.9", "scape-0.99", "topk-0.99"]
 def test_compare_quick(tmp_path):
     """`python -m bench.compare --quick`: both legs, the headline first, the documented
     report, every row's bytes equal to the library's own record and to the formula."""
-    from bench.netns import available
+    from bench.engine.netns import available
 
     out = tmp_path / "out"
     stdout = _run(["bench.compare", "--quick", "--profile", "--out", str(out)], timeout=280)

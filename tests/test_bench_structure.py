@@ -42,7 +42,7 @@ def _allowed() -> dict[str, set[str] | None]:
 
 
 def _modules(root: Path, packages: tuple[str, ...]) -> dict[str, Path]:
-    """``{"bench.runner": path, "bench": path/__init__.py, ...}`` under ``root``."""
+    """``{"bench.engine.runner": path, "bench": path/__init__.py, ...}`` under ``root``."""
     out = {}
     for pkg in packages:
         for path in sorted((root / pkg.replace(".", "/")).glob("*.py")):
@@ -292,13 +292,25 @@ def library_mentions(root: Path, dirs: tuple[str, ...] = LIBRARY) -> list[str]:
 
 
 # --------------------------------------------------------------------------- the tree
-BENCH = ("bench", "bench.research")
+BENCH = ("bench", "bench.engine", "bench.workloads", "bench.research")
+MAX_TOP_LEVEL = 20
+"""Modules directly in bench/: the jobs (and their reports); the engine, the workloads and the
+research each live in a folder of their own."""
+
+
+def test_bench_top_level_holds_the_jobs_and_folders_hold_the_parts():
+    top = sorted(p.name for p in (ROOT / "bench").glob("*.py"))
+    assert len(top) <= MAX_TOP_LEVEL, top
+    for folder in BENCH[1:]:
+        assert (ROOT / folder.replace(".", "/") / "__init__.py").exists(), folder
+    assert {"runner.py", "launch.py", "run_config.py", "run_rank.py", "optimizers.py"} <= \
+        {p.name for p in (ROOT / "bench" / "engine").glob("*.py")}
 
 
 def test_bench_has_no_import_cycle():
     graph = import_graph(ROOT, BENCH)
-    assert {"bench.runner", "bench.optimizers", "bench.research.rules"} <= set(graph)
-    assert "bench.research.rules" in graph["bench.optimizers"]  # the one registration
+    assert {"bench.engine.runner", "bench.engine.optimizers", "bench.research.rules"} <= set(graph)
+    assert "bench.research.rules" in graph["bench.engine.optimizers"]  # the one registration
     assert find_cycle(graph) is None, " -> ".join(find_cycle(graph) or [])
 
 
@@ -308,7 +320,7 @@ def test_no_import_cycle_across_library_and_benchmarks():
     a reader follow is a cycle), and imports inside functions, bar :data:`DEFERRED_CYCLES`."""
     graph = tree_import_graph(ROOT)
     assert {"scape", "scape.rules", "scape.rules.catchups", "scape.kernels.topk",
-            "scape.comm.hierarchical", "bench.runner", "bench.research.rules"} <= set(graph)
+            "scape.comm.hierarchical", "bench.engine.runner", "bench.research.rules"} <= set(graph)
     assert "scape.rules.state" in graph["scape.rules.catchups"]
     assert "scape.rules" in graph["bench.research.rules"]
     for importer, imported in DEFERRED_CYCLES:
@@ -335,15 +347,16 @@ def test_one_place_registers_the_research_rules():
     rules; every entry point that takes rule names builds through it."""
     graph = import_graph(ROOT, BENCH)
     importers = {m for m, deps in graph.items() if "bench.research.rules" in deps}
-    assert {m for m in importers if not m.startswith("bench.research")} == {"bench.optimizers"}
-    for entry in ("bench.run_rank", "bench.convergence_train", "bench.step_compute",
+    assert {m for m in importers if not m.startswith("bench.research")} == \
+        {"bench.engine.optimizers"}
+    for entry in ("bench.engine.run_rank", "bench.convergence_train", "bench.step_compute",
                   "bench.lr_stability", "bench.compare"):
         reach, todo = set(), [entry]
         while todo:
             for dep in graph[todo.pop()] - reach:
                 reach.add(dep)
                 todo.append(dep)
-        assert "bench.optimizers" in reach, entry
+        assert "bench.engine.optimizers" in reach, entry
 
 
 # --------------------------------------------------------------------------- planted faults

@@ -1,5 +1,5 @@
-"""bench.netns_nodes and bench.two_level: two emulated nodes (a shaped link between two network
-namespaces, the unshaped loopback inside each), and the job's quick form end to end."""
+"""bench.engine.netns_nodes and bench.two_level: two emulated nodes (a shaped link between two
+network namespaces, the unshaped loopback inside each), and the job's quick form end to end."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import subprocess
 
 import pytest
 
-from bench import netns, netns_nodes
-from bench.run_config import RunConfig
+from bench.engine import netns, netns_nodes
+from bench.engine.run_config import RunConfig
 from bench.two_level import PER_NODE, formula
 from scape.rules import block_budget
 from tests.test_bench_smoke import _run

@@ -1,4 +1,5 @@
-"""The benchmark workload: bench/gpt.py (model) and bench/data.py (corpus and sampler)."""
+"""The benchmark workload: bench/workloads/gpt.py (model) and bench/workloads/data.py (corpus and
+sampler)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 import torch
 from conftest import nan_empty
 
-from bench import data, gpt
+from bench.workloads import data, gpt
 
 
 @pytest.mark.parametrize("name, lo, hi", [

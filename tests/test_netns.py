@@ -1,4 +1,4 @@
-"""bench/netns.py: rate parsing, and (where root, ip and tc exist) a shaped loopback that
+"""bench/engine/netns.py: rate parsing, and (where root, ip and tc exist) a shaped loopback that
 delivers the set rate and disappears afterwards."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from bench import netns
+from bench.engine import netns
 
 
 @pytest.mark.parametrize("text, bits", [

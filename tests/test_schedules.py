@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import scape
-from bench.nullcomm import NullCommunicator
+from bench.engine.nullcomm import NullCommunicator
 from scape.schedules import longest_ramp, run_bytes
 
 

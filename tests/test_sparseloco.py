@@ -395,9 +395,9 @@ def test_load_state_dict_rejects_other_optimizers_and_layouts():
 
 
 def test_bench_runner_trains_sparseloco_and_counts_bytes_per_sync_period():
-    """bench.runner with optimizer="sparseloco": 2 syncs in 4 steps on the tiny GPT; the mean
+    """bench.engine.runner with optimizer="sparseloco": 2 syncs in 4 steps on the tiny GPT; the mean
     bytes per step are the record formula times W over the sync period."""
-    from bench.runner import RunConfig, run
+    from bench.engine.runner import RunConfig, run
 
     cfg = RunConfig(optimizer="sparseloco", model="tiny", world=2, steps=4, batch=1, seq=32,
                     eval_every=4, eval_seqs=2, log_every=0, timeout_s=120,

@@ -5,7 +5,7 @@ an outer deadline, and every process killed on the way out, whatever happens.
     results = [o.result for o in outcomes]                     # if every o.ok
 
 Each rank enters its network namespace first (``Ranks.netns``: the emulated nodes of
-:mod:`bench.netns_nodes`), asks the kernel to end it with the driver (Linux), sets its torch
+:mod:`bench.engine.netns_nodes`), asks the kernel to end it with the driver (Linux), sets its torch
 threads, joins the process group (gloo, or NCCL with rank r on GPU r), runs ``fn(rank,
 world, *args)`` and reports what it returned, or its traceback, through a queue. A rank may
 send progress to the driver with :func:`progress` (``Ranks.on_progress`` receives it).
@@ -16,7 +16,7 @@ leaves it. With ``fail_fast`` it stops at the first rank that fails (its peers w
 it until their collectives time out); otherwise it waits for every rank's outcome, so that a
 test can check what each rank raised.
 
-Used by :func:`bench.runner.run`, :func:`bench.comm_bench.run_world` and ``tests/dist.py``.
+Used by :func:`bench.engine.runner.run`, :func:`bench.comm_bench.run_world` and ``tests/dist.py``.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ class Ranks:
     env: dict[str, str] = dataclasses.field(default_factory=dict)
     """Environment variables set in every rank before anything else."""
     netns: list[str] | None = None
-    """Per rank, the network namespace it enters first (:mod:`bench.netns_nodes`); its gloo
+    """Per rank, the network namespace it enters first (:mod:`bench.engine.netns_nodes`); its gloo
     then uses the namespace's node interface."""
     fail_fast: bool = False
     """Stop at the first failing rank instead of waiting for every outcome."""
@@ -128,7 +128,7 @@ def _rank_entry(rank: int, spec: dict[str, Any], init_file: str, parent: int,
     os.environ.update(spec["env"])
     world = spec["world"]
     if spec["netns"] is not None:
-        from bench import netns_nodes
+        from bench.engine import netns_nodes
 
         netns_nodes.enter(spec["netns"][rank])
         os.environ["GLOO_SOCKET_IFNAME"] = netns_nodes.NODE_IF

@@ -4,7 +4,7 @@ the optimizer's public attributes); the library imports nothing from here.
 
 - :mod:`bench.research.rules`: the research rules; ``import bench.research.rules`` registers
   every one under its name, so ``scape.SCAPE(..., update="catchup_agree_trust2_accum")`` works
-  afterwards (docs/research.md). :mod:`bench.optimizers` imports it for every benchmark.
+  afterwards (docs/research.md). :mod:`bench.engine.optimizers` imports it for every benchmark.
 - :mod:`bench.research.rows`: the rows of the convergence ablation (``python -m
   bench.convergence --variants NAME``) and the schedules they run (ramps, the measured
   per-group split, the lr-following bound).

@@ -1,5 +1,5 @@
 """Dead reckoning for the coordinates a sparse step did not send (a research option of the
-harness: ``bench.lr_sweep``'s ``-drift`` rows, :attr:`bench.run_config.RunConfig.drift`).
+harness: ``bench.lr_sweep``'s ``-drift`` rows, :attr:`bench.engine.run_config.RunConfig.drift`).
 
 Between two sends a coordinate of SCAPE's model stands still and then jumps by its whole
 catch-up; dense AdamS moves it a little every step. Here every rank moves the coordinates it

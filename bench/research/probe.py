@@ -148,7 +148,7 @@ def summarize(lines: list[dict[str, Any]], model: torch.nn.Module, world: int,
 
 
 def main(argv: list[str] | None = None) -> int:
-    from bench.llama import make_model
+    from bench.workloads.llama import make_model
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("dir")
     ap.add_argument("--model", default="small")

@@ -348,7 +348,7 @@ def registered(name: Any) -> Any:
     """``name``, registered: a name of :data:`scape.rules.RULES` as it is, and a name that
     :func:`with_options` makes (``lazy-explore0.2``, ``lazy-noef``) registered from the name
     alone, so a process that never called :func:`with_options` (a rank of
-    :mod:`bench.runner`) builds the same rule. Anything else comes back unchanged, for the
+    :mod:`bench.engine.runner`) builds the same rule. Anything else comes back unchanged, for the
     optimizer to refuse with the names it knows."""
     if not isinstance(name, str) or name in RULES:
         return name

@@ -18,7 +18,7 @@ and two processes (ranks) building the same config and seed get bit-identical we
 Weights ~ N(0, 0.02); the output projections of attention and MLP are scaled by
 ``1/sqrt(2*n_layers)`` (GPT-2), biases and norm shifts are 0, norm scales are 1.
 
-    python -m bench.gpt            # parameter counts and forward+backward time per preset
+    python -m bench.workloads.gpt            # parameter counts and forward+backward time per preset
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Two emulated nodes: a slow link between them, the fast loopback inside each.
 
 Each node is a network namespace; a veth pair joins them, and each end's egress is shaped
-with the same token bucket as :mod:`bench.netns` (``tc ... tbf rate RATE``), so each
+with the same token bucket as :mod:`bench.engine.netns` (``tc ... tbf rate RATE``), so each
 direction of the link carries at most ``RATE`` (a full-duplex NIC shared by the node's
 ranks). Inside a namespace the ranks reach each other, and their own node's address, over
 that namespace's loopback, which is not shaped::
@@ -12,7 +12,7 @@ A rank enters its node's namespace before it opens any socket (:func:`enter`, th
 ``setns(2)`` call that ``ip netns exec`` makes), and gloo is told to use ``scape0``
 (``GLOO_SOCKET_IFNAME``). :func:`measure` shows the link delivers its rate and the loopback
 is not shaped. The namespaces (and the veth pair with them) are deleted on leaving the block.
-Needs what :mod:`bench.netns` needs (Linux, root, ``ip``, ``tc``).
+Needs what :mod:`bench.engine.netns` needs (Linux, root, ``ip``, ``tc``).
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ import secrets
 import subprocess
 from collections.abc import Iterator
 
-from bench.netns import BURST, LATENCY, _run, _stop_processes, measure_tcp_rate, parse_rate
-from bench.netns import require as require
+from bench.engine.netns import BURST, LATENCY, _run, _stop_processes, measure_tcp_rate, parse_rate
+from bench.engine.netns import require as require
 
 NODE_IF = "scape0"
 """The name of the node's end of the link, inside every node's namespace."""

@@ -14,7 +14,7 @@ once; packets waiting longer than ``latency`` are dropped, and TCP backs off). E
 ranks exchange crosses ``lo`` once, so each rank's sends and receives share the one rate --
 a single half-duplex link for the whole job, a harsher model than a full-duplex NIC per node.
 The delivered rate of a TCP stream is measured by ``tests/test_netns.py`` and by
-``python -m bench.netns --measure RATE``.
+``python -m bench.engine.netns --measure RATE``.
 
     with shaped_namespace("100mbit") as ns:
         subprocess.run(ns.wrap([sys.executable, "-m", "train"]), check=True)

@@ -1,6 +1,6 @@
 """A second benchmark model of another family: a small byte-level Llama-style decoder.
 
-What differs from :mod:`bench.gpt` (a GPT-2-style model with learned positions, LayerNorm,
+What differs from :mod:`bench.workloads.gpt` (a GPT-2-style model with learned positions, LayerNorm,
 a GELU MLP and a tied head):
 
 - **RMSNorm** (no mean subtraction, no shift) before attention, before the MLP and at the end;
@@ -12,14 +12,14 @@ a GELU MLP and a tied head):
 - an **untied head**: ``head`` is its own ``[256, d_model]`` matrix, not the token embedding.
 
 Initialisation is deterministic from the seed alone (a private ``torch.Generator`` in
-``named_parameters()`` order, as in :mod:`bench.gpt`): matrices ~ N(0, 0.02), the output
+``named_parameters()`` order, as in :mod:`bench.workloads.gpt`): matrices ~ N(0, 0.02), the output
 projections ``wo`` and ``w2`` scaled by ``1/sqrt(2*n_layers)``, norm scales 1.
 
-Presets (:data:`PRESETS`; ``RunConfig.model`` takes their names beside :mod:`bench.gpt`'s,
+Presets (:data:`PRESETS`; ``RunConfig.model`` takes their names beside :mod:`bench.workloads.gpt`'s,
 :func:`make_model` builds either family): ``llama-tiny`` (CI smokes) and ``llama-small``
 (1,252,992 parameters: 6 layers of width 128, 4 heads, SwiGLU width 344, context 128 bytes;
 deeper and narrower-per-parameter than ``small``'s 4 layers), the second workload of
-``python -m bench.lr_sweep`` over the prose of :mod:`bench.prose`.
+``python -m bench.lr_sweep`` over the prose of :mod:`bench.workloads.prose`.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from bench.gpt import GPT, VOCAB_SIZE, get_config
+from bench.workloads.gpt import GPT, VOCAB_SIZE, get_config
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,7 +181,7 @@ class Llama(nn.Module):
 
 def make_model(name: str, seed: int = 0) -> nn.Module:
     """The model of preset ``name``: a :class:`Llama` for :data:`PRESETS`, else a
-    :class:`bench.gpt.GPT` of :func:`bench.gpt.get_config`."""
+    :class:`bench.workloads.gpt.GPT` of :func:`bench.workloads.gpt.get_config`."""
     if name in PRESETS:
         return Llama(PRESETS[name], seed=seed)
     return GPT(get_config(name), seed=seed)

@@ -1,6 +1,6 @@
 """One training run of the benchmarks as data: :class:`RunConfig` (validated on construction,
 ``dataclasses.asdict`` is its JSON form), its learning-rate schedule :func:`lr_at`, and
-:func:`load_config` for the ``--config`` of ``python -m bench.runner``."""
+:func:`load_config` for the ``--config`` of ``python -m bench.engine.runner``."""
 
 from __future__ import annotations
 
@@ -10,17 +10,18 @@ import math
 import os
 from typing import Any
 
-from bench.gpt import PRESETS as GPT_PRESETS
-from bench.gpt import check_group_sparsity
-from bench.llama import PRESETS as LLAMA_PRESETS
-from bench.optimizers import OPTIMIZERS as REGISTRY
-from bench.optimizers import check_kwargs
+from bench.engine.optimizers import OPTIMIZERS as REGISTRY
+from bench.engine.optimizers import check_kwargs
+from bench.workloads.gpt import PRESETS as GPT_PRESETS
+from bench.workloads.gpt import check_group_sparsity
+from bench.workloads.llama import PRESETS as LLAMA_PRESETS
 from scape import sparsity_ramp
 
 PRESETS = {**GPT_PRESETS, **LLAMA_PRESETS}
-"""Values of ``RunConfig.model``: :mod:`bench.gpt`'s and :mod:`bench.llama`'s presets."""
+"""Values of ``RunConfig.model``: :mod:`bench.workloads.gpt`'s and :mod:`bench.workloads.llama`'s
+presets."""
 OPTIMIZERS = tuple(REGISTRY)
-"""Values of ``RunConfig.optimizer``: the names of :data:`bench.optimizers.OPTIMIZERS`."""
+"""Values of ``RunConfig.optimizer``: the names of :data:`bench.engine.optimizers.OPTIMIZERS`."""
 
 
 @dataclasses.dataclass
@@ -32,16 +33,16 @@ class RunConfig:
     sparsity: float = 0.99
     """Fraction of coordinates not sent per step (``scape``, ``topk``, ``compute_only``)."""
     optimizer_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
-    """Passed through to the optimizer's factory (:mod:`bench.optimizers`): to ``scape.SCAPE``
-    (e.g. ``update``, ``warmup_steps``, ``dense_every``, ``block_size``; a research rule's
-    name, or one made by :func:`bench.research.rules.with_options` for another ``explore`` or
+    """Passed through to the optimizer's factory (:mod:`bench.engine.optimizers`): to
+    ``scape.SCAPE`` (e.g. ``update``, ``warmup_steps``, ``dense_every``, ``block_size``; a research
+    rule's name, or one made by :func:`bench.research.rules.with_options` for another ``explore`` or
     no error feedback), to the top-k baseline (``warmup_steps``, ``block_size``) or to the
     outer optimizer of a local-step row (``sync_every``, ``density``, ...)."""
     group_sparsity: dict[str, float] | None = None
-    """Per-group sparsity by :func:`bench.gpt.param_groups` group name (``"embed"`` splits the
-    embedding matrices, the tied head, into a group of their own); None: ``sparsity``
+    """Per-group sparsity by :func:`bench.workloads.gpt.param_groups` group name (``"embed"`` splits
+    the embedding matrices, the tied head, into a group of their own); None: ``sparsity``
     everywhere. SCAPE rows only. With ``one_group`` every group is decayed alike
-    (:func:`bench.run_rank.make_groups`)."""
+    (:func:`bench.engine.run_rank.make_groups`)."""
     sparsity_ramp: tuple[float, int] | None = None
     """``(start, ramp_steps)``: after the dense warm-up every sparse group's sparsity ramps
     from ``start`` (or its own, if lower) to its own over ``ramp_steps`` steps
@@ -57,7 +58,8 @@ class RunConfig:
     """Every rank moves the coordinates a step did not send along the rate of their last
     catch-up (:class:`bench.research.drift.Drift`, a research option). SCAPE rows only."""
     model: str = "small"
-    """:mod:`bench.gpt` preset (``tiny``, ``small``, ``base``) or :mod:`bench.llama` preset."""
+    """:mod:`bench.workloads.gpt` preset (``tiny``, ``small``, ``base``) or
+    :mod:`bench.workloads.llama` preset."""
     world: int = 4
     """Number of ranks (processes)."""
     steps: int = 100
@@ -76,7 +78,7 @@ class RunConfig:
     """Moment coefficients of every optimizer (AdamW's and AdamS's)."""
     weight_decay: float = 0.1
     """On the attention and MLP matrices; norms and embeddings get none
-    (:func:`bench.gpt.param_groups`)."""
+    (:func:`bench.workloads.gpt.param_groups`)."""
     one_group: bool = False
     """One param group, ``weight_decay`` on every parameter (a newcomer's setup)."""
     seed: int = 0
@@ -87,7 +89,7 @@ class RunConfig:
     """Fixed held-out windows of the validation split."""
     data: str | None = None
     """Text file or directory (None: the interpreter's standard library; ``"pydoc-topics"``:
-    :mod:`bench.prose`)."""
+    :mod:`bench.workloads.prose`)."""
     threads: int | None = None
     """torch threads per rank (None: ``max(1, cpu_count // world)``)."""
     timing_skip: int | None = None
@@ -109,7 +111,7 @@ class RunConfig:
     """Give the optimizer the ``(nodes, per_node)`` mesh (SCAPE on two levels, dense inside
     a node); False: one flat group of every rank."""
     node_netns: list[str] | None = None
-    """Per node, the network namespace its ranks enter (:mod:`bench.netns_nodes`)."""
+    """Per node, the network namespace its ranks enter (:mod:`bench.engine.netns_nodes`)."""
 
     def __post_init__(self) -> None:
         if self.optimizer not in OPTIMIZERS:

@@ -1,6 +1,6 @@
 """The optimizers the benchmarks train, by name: one table, one factory each.
 
-Every entry point that builds an optimizer (:mod:`bench.runner`, :mod:`bench.convergence`,
+Every entry point that builds an optimizer (:mod:`bench.engine.runner`, :mod:`bench.convergence`,
 :mod:`bench.compare`, :mod:`bench.step_compute`, :mod:`bench.lr_stability`) goes through
 :func:`build`::
 
@@ -18,7 +18,7 @@ it gets, whether it is sparse, whether it communicates only every few steps.
 ``dist_adamw``     ``scape.DistributedAdamW`` (dense ZeRO-1 AdamW)
 ``adams``          ``scape.SCAPE`` with ``sparsity=0`` (dense sharded AdamS)
 ``scape``          ``scape.SCAPE`` at ``spec.sparsity``
-``topk``           raw-gradient top-k with error feedback (:mod:`bench.topk_baseline`)
+``topk``           raw-gradient top-k with error feedback (:mod:`bench.engine.topk_baseline`)
 ``compute_only``   ``scape.SCAPE`` at ``spec.sparsity`` on a communicator that moves nothing
 ``sparseloco``     ``scape.SparseLoCo`` around an AdamW inner optimizer
 ``diloco``         ``scape.DiLoCo`` around an AdamW inner optimizer
@@ -39,7 +39,7 @@ import torch
 
 import bench.research.rules as research_rules
 import scape
-from bench.topk_baseline import TopKAdamS
+from bench.engine.topk_baseline import TopKAdamS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,10 +72,11 @@ class Entry:
     needs_sparsity: bool = False
     """``spec.sparsity`` must be > 0 (the dense form has a name of its own)."""
     group_sparsity: bool = False
-    """Takes a per-group ``sparsity`` in its param groups (:func:`bench.gpt.param_groups`)."""
+    """Takes a per-group ``sparsity`` in its param groups
+    (:func:`bench.workloads.gpt.param_groups`)."""
     comm: str = "torch"
     """``"torch"``: a ``scape.comm.TorchCommunicator``; ``"null"``: a
-    :class:`bench.nullcomm.NullCommunicator` (no collectives: the step-time floor, nothing
+    :class:`bench.engine.nullcomm.NullCommunicator` (no collectives: the step-time floor, nothing
     trained across ranks); ``"ddp"``: none, the model is wrapped in DDP instead."""
     local_steps: bool = False
     """Communicates every ``sync_every`` steps only (bytes per step are a mean, not a

@@ -1,6 +1,6 @@
 """Local-step optimizers in the benchmarks: ``scape.SparseLoCo`` and ``scape.DiLoCo``.
 
-:mod:`bench.optimizers` builds them for ``RunConfig.optimizer`` in ``("sparseloco",
+:mod:`bench.engine.optimizers` builds them for ``RunConfig.optimizer`` in ``("sparseloco",
 "diloco")``. The inner optimizer is ``torch.optim.AdamW`` over the runner's param groups (the
 same lr, betas and per-group weight decay as the ``adamw_ddp`` row); the runner's LR schedule
 edits ``opt.param_groups``, which are the inner optimizer's. The outer hyperparameters come
@@ -22,8 +22,8 @@ Running this module compares them with dense sharded AdamS and SCAPE on one work
 token budget (:data:`WORKLOAD`: ``bench.compare``'s workload as it was measured for the
 README, with ``steps`` a multiple of 32; ``--smoke``: :data:`SMOKE`):
 
-    python -m bench.local_sgd_opts --out out/local_sgd         # 249 s measured on 2 cores
-    python -m bench.local_sgd_opts --smoke --out /tmp/ls        # seconds
+    python -m bench.engine.local_sgd_opts --out out/local_sgd         # 249 s measured on 2 cores
+    python -m bench.engine.local_sgd_opts --smoke --out /tmp/ls        # seconds
 """
 
 from __future__ import annotations
@@ -36,12 +36,12 @@ import re
 import time
 from typing import Any
 
-from bench.optimizers import LOCAL_STEPS
-from bench.report import fmt, markdown_table
-from bench.runner import RunConfig, run
+from bench.engine.optimizers import LOCAL_STEPS
+from bench.engine.report import fmt, markdown_table
+from bench.engine.runner import RunConfig, run
 
 LOCAL_SGD = LOCAL_STEPS
-"""Values of ``RunConfig.optimizer`` that take local steps (:mod:`bench.optimizers`)."""
+"""Values of ``RunConfig.optimizer`` that take local steps (:mod:`bench.engine.optimizers`)."""
 
 VALUE_BITS = (2, 4, 8, 16, 32)
 """The ``value_bits`` ``scape.SparseLoCo`` accepts (its docstring), checked here so that a bad
@@ -113,7 +113,7 @@ def sync_warning(name: str, sync_every: int, steps: int) -> str | None:
 
 
 def steady_bytes(run: dict[str, Any]) -> tuple[float, str]:
-    """``(bytes per step per rank, basis)`` of a ``bench.runner`` result for comparisons.
+    """``(bytes per step per rank, basis)`` of a ``bench.engine.runner`` result for comparisons.
 
     ``basis`` is ``"median"`` (the runner's per-step median over the timing window, for
     optimizers that communicate every step) or ``"mean_all_steps"`` for the local-step ones,

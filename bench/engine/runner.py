@@ -2,13 +2,13 @@
 
 ``run(RunConfig(...))`` spawns W processes (torch.distributed, gloo over a file store on the
 loopback -- it works inside a network namespace where only ``lo`` exists), and each rank trains
-the same :mod:`bench.gpt` model from the same seed on its disjoint share of the global batch
-(:func:`bench.data.batch_at`). Every optimizer sees the same data order, token budget and LR
-schedule (linear warm-up, then cosine decay to 10%). Rank 0 evaluates the validation loss on
-the fixed held-out windows every ``eval_every`` steps and at the end (outside the timed region;
-the other ranks wait at a barrier).
+the same :mod:`bench.workloads.gpt` model from the same seed on its disjoint share of the global
+batch (:func:`bench.workloads.data.batch_at`). Every optimizer sees the same data order, token
+budget and LR schedule (linear warm-up, then cosine decay to 10%). Rank 0 evaluates the validation
+loss on the fixed held-out windows every ``eval_every`` steps and at the end (outside the timed
+region; the other ranks wait at a barrier).
 
-Optimizers (``RunConfig.optimizer``) are the entries of :data:`bench.optimizers.OPTIMIZERS`
+Optimizers (``RunConfig.optimizer``) are the entries of :data:`bench.engine.optimizers.OPTIMIZERS`
 (``adamw_ddp``, ``dist_adamw``, ``adams``, ``scape``, ``topk``, ``compute_only``,
 ``sparseloco``, ``diloco``). ``compute_only`` is ``scape.SCAPE`` at ``sparsity`` on a
 communicator that moves nothing: the same per-rank work with no collectives (the step-time
@@ -16,8 +16,8 @@ floor; its model is not trained across ranks, so it reports no validation loss; 
 outside the timed region starts each step on every rank together, as a real run's collectives
 do).
 
-The modules: :mod:`bench.run_config` (the :class:`RunConfig` and its LR schedule),
-:mod:`bench.run_rank` (the body of one rank), this one (spawn, collect, summarize, the CLI).
+The modules: :mod:`bench.engine.run_config` (the :class:`RunConfig` and its LR schedule),
+:mod:`bench.engine.run_rank` (the body of one rank), this one (spawn, collect, summarize, the CLI).
 
 What is measured, per rank and step (a step = ``grad_accum`` forward/backward passes and the
 optimizer step; data sampling and evaluation are outside it):
@@ -37,8 +37,8 @@ optimizer step; data sampling and evaluation are outside it):
 Medians are over the steady-state window, steps ``timing_skip+1 .. steps`` (default: past the
 SCAPE dense warm-up plus two), the same window for every optimizer of a comparison.
 
-    python -m bench.runner --config '{"optimizer": "scape", "sparsity": 0.99}' --out r.json
-    python -m bench.runner --config cfg.json --out r.json       # a JSON file works too
+    python -m bench.engine.runner --config '{"optimizer": "scape", "sparsity": 0.99}' --out r.json
+    python -m bench.engine.runner --config cfg.json --out r.json       # a JSON file works too
 """
 
 from __future__ import annotations
@@ -53,8 +53,8 @@ import time
 from typing import Any
 
 from bench.engine.launch import Ranks, launch
-from bench.run_config import OPTIMIZERS, RunConfig, load_config, lr_at
-from bench.run_rank import param_digest, rank_body
+from bench.engine.run_config import OPTIMIZERS, RunConfig, load_config, lr_at
+from bench.engine.run_rank import param_digest, rank_body
 
 __all__ = ["OPTIMIZERS", "SCHEMA", "RunConfig", "load_config", "lr_at", "main", "param_digest",
            "run", "summarize"]

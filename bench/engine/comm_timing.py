@@ -1,4 +1,4 @@
-"""Communication counters of the benchmark runner (:mod:`bench.runner`).
+"""Communication counters of the benchmark runner (:mod:`bench.engine.runner`).
 
 :func:`timed_communicator` wraps a :class:`scape.comm.Communicator` and adds the seconds spent
 blocked in ``Work.wait()`` (and barriers) to ``wait_s``; :class:`DDPCounter` counts the bytes

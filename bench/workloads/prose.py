@@ -7,14 +7,14 @@ CPython installs it with every interpreter (``Lib/pydoc_data/topics.py``), so it
 wherever this project installs, and it is the same on every machine with the same Python
 version (466,117 bytes on CPython 3.11.7). Why this text and not the alternatives:
 
-- the standard library's docstrings are the other workload's corpus (:mod:`bench.data`) in
+- the standard library's docstrings are the other workload's corpus (:mod:`bench.workloads.data`) in
   other clothes, interleaved with code;
 - licence and README files inside ``site-packages`` differ from machine to machine (whatever
   happens to be installed) and are dozens of copies of the same few licences;
 - numpy's or torch's shipped text is mostly code and docstrings again.
 
 It is prose, not code: English sentences, reStructuredText-like headings, grammar rules and
-short examples -- a different distribution from :mod:`bench.data`'s Python sources (whose
+short examples -- a different distribution from :mod:`bench.workloads.data`'s Python sources (whose
 ``pydoc_data/topics.py`` holds the same text as escaped string literals, 0.76 MB of its
 ~12 MB; the two workloads train separate models, so this does not leak across them).
 
@@ -25,16 +25,17 @@ Deterministic split, without verbatim overlap:
    types`` is a section of ``specialnames``), and a quoted section must not sit on both sides;
 3. each topic's remaining paragraphs are grouped in order into chunks of at least
    :data:`CHUNK_BYTES` bytes, named ``"<topic>/<index>"``;
-4. a chunk is validation when :func:`bench.data.is_validation` (sha256 of its name) says so,
-   at ``val_fraction`` 0.1; each split is its chunks in sorted name order, joined by blank
-   lines, UTF-8 encoded into one ``uint8`` tensor (:class:`bench.data.Corpus`, split rule
+4. a chunk is validation when :func:`bench.workloads.data.is_validation` (sha256 of its name) says
+   so, at ``val_fraction`` 0.1; each split is its chunks in sorted name order, joined by blank
+   lines, UTF-8 encoded into one ``uint8`` tensor (:class:`bench.workloads.data.Corpus`, split rule
    ``"chunk-hash"``).
 
 On CPython 3.11.7 that gives 339 chunks (36 for validation), 329,607 training and 44,467
-validation bytes (``python -m bench.prose``); 0.8% of the validation split's 64-byte windows
-occur verbatim in the training split. ``RunConfig(data="pydoc-topics")`` selects it (:func:`load`).
+validation bytes (``python -m bench.workloads.prose``); 0.8% of the validation split's 64-byte
+windows occur verbatim in the training split. ``RunConfig(data="pydoc-topics")`` selects it
+(:func:`load`).
 
-    python -m bench.prose          # the split's sizes
+    python -m bench.workloads.prose          # the split's sizes
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ import functools
 
 import torch
 
-from bench.data import Corpus, is_validation, load_corpus
+from bench.workloads.data import Corpus, is_validation, load_corpus
 
 NAME = "pydoc-topics"
 """The value of ``RunConfig.data`` (and ``--data``) that selects this corpus."""
@@ -120,7 +121,7 @@ def load_prose(val_fraction: float = 0.1) -> Corpus:
 
 def load(data: str | None) -> Corpus:
     """``RunConfig.data``'s corpus: this one for :data:`NAME`, else
-    :func:`bench.data.load_corpus` (the standard library, or a path)."""
+    :func:`bench.workloads.data.load_corpus` (the standard library, or a path)."""
     return load_prose() if data == NAME else load_corpus(data)
 
 

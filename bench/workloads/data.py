@@ -24,7 +24,7 @@ same for every optimizer and every world size. Rank ``r`` of ``world`` takes row
 batch. Validation (:func:`val_positions`, :func:`eval_loss`) uses fixed, evenly spaced,
 non-overlapping windows of the validation split -- no randomness at all.
 
-    python -m bench.data [--data PATH]      # corpus sizes
+    python -m bench.workloads.data [--data PATH]      # corpus sizes
 """
 
 from __future__ import annotations
@@ -205,8 +205,8 @@ def eval_loss(model: torch.nn.Module, tokens: torch.Tensor, seq: int, n_seqs: in
               batch: int = 16, device: str | torch.device = "cpu") -> float:
     """Mean next-byte cross-entropy (nats/byte) of ``model`` on the fixed validation windows.
 
-    ``model`` must provide ``loss(x, y)`` (as :class:`bench.gpt.GPT` does). Every window has
-    the same length, so the mean of per-batch means weighted by batch size is exact. The
+    ``model`` must provide ``loss(x, y)`` (as :class:`bench.workloads.gpt.GPT` does). Every window
+    has the same length, so the mean of per-batch means weighted by batch size is exact. The
     model's train/eval mode is restored afterwards; the windows are moved to ``device``.
     """
     _check_tokens(tokens, seq, "tokens")

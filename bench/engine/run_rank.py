@@ -1,5 +1,5 @@
-"""The body of one rank of :func:`bench.runner.run`: build the model and the optimizer
-(:mod:`bench.optimizers`), train with the measurements the runner's docstring lists, and
+"""The body of one rank of :func:`bench.engine.runner.run`: build the model and the optimizer
+(:mod:`bench.engine.optimizers`), train with the measurements the runner's docstring lists, and
 report one dict per rank through a queue."""
 
 from __future__ import annotations
@@ -15,25 +15,25 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from bench import netns_nodes
-from bench.comm_timing import DDPCounter, timed_communicator
-from bench.data import batch_at, eval_loss
-from bench.gpt import num_params, param_groups
-from bench.llama import make_model
-from bench.nullcomm import NullCommunicator
-from bench.optimizers import OPTIMIZERS, Spec, build
-from bench.prose import load
+from bench.engine import netns_nodes
+from bench.engine.comm_timing import DDPCounter, timed_communicator
+from bench.engine.nullcomm import NullCommunicator
+from bench.engine.optimizers import OPTIMIZERS, Spec, build
+from bench.engine.run_config import RunConfig, follow_density, follow_mean, lr_at
 from bench.research.drift import Drift
-from bench.run_config import RunConfig, follow_density, follow_mean, lr_at
+from bench.workloads.data import batch_at, eval_loss
+from bench.workloads.gpt import num_params, param_groups
+from bench.workloads.llama import make_model
+from bench.workloads.prose import load
 from scape import sparsity_ramp
 from scape.comm import HierarchicalCommunicator, TorchCommunicator
 
 
 def make_groups(module: torch.nn.Module, cfg: RunConfig) -> list[dict[str, Any]]:
-    """The optimizer's param groups (without names): :func:`bench.gpt.param_groups`, or with
-    ``one_group`` every parameter in one group decayed by ``weight_decay``; ``one_group`` with
-    ``group_sparsity`` keeps :func:`~bench.gpt.param_groups`' split (the named groups at their
-    own sparsity) but decays every group, as one group would be."""
+    """The optimizer's param groups (without names): :func:`bench.workloads.gpt.param_groups`, or
+    with ``one_group`` every parameter in one group decayed by ``weight_decay``; ``one_group`` with
+    ``group_sparsity`` keeps :func:`~bench.workloads.gpt.param_groups`' split (the named groups at
+    their own sparsity) but decays every group, as one group would be."""
     if cfg.one_group and not cfg.group_sparsity:
         return [{"params": list(module.parameters()), "weight_decay": cfg.weight_decay}]
     groups = param_groups(module, cfg.weight_decay, cfg.group_sparsity)
@@ -100,7 +100,7 @@ def _two_level(cfg: RunConfig, world: int) -> HierarchicalCommunicator:
 
 
 def rank_body(rank: int, world: int, cfg_dict: dict[str, Any]) -> dict[str, Any]:
-    """Body of one rank, launched by :func:`bench.runner.run` (its process group joined):
+    """Body of one rank, launched by :func:`bench.engine.runner.run` (its process group joined):
     train, measure, return the records."""
     return _train(RunConfig.from_dict(cfg_dict), rank, world)
 
@@ -211,7 +211,7 @@ def _train(cfg: RunConfig, rank: int, world: int) -> dict[str, Any]:
 
 
 def _link_tx() -> int:
-    """Bytes this node's end of the emulated link has sent (:mod:`bench.netns_nodes`)."""
+    """Bytes this node's end of the emulated link has sent (:mod:`bench.engine.netns_nodes`)."""
     with open("/proc/self/net/dev") as f:  # (this process's namespace; /sys is not)
         for line in f:
             name, _, fields = line.partition(":")
