@@ -63,12 +63,12 @@ def mean_ramp_density(start: float, end: float) -> float:
     return d0 if math.isclose(d0, d1) else (d0 - d1) / math.log(d0 / d1)
 
 
-def _check_opt(opt: object) -> None:
+def _check_opt(opt: object, counts_bytes: bool = True) -> None:
     from scape.optimizer import SCAPE
     if not isinstance(opt, SCAPE):
         raise TypeError(f"expected a scape.SCAPE optimizer, got {type(opt).__name__}")
     from scape.two_level import NodeLevel
-    if isinstance(opt.level, NodeLevel):
+    if counts_bytes and isinstance(opt.level, NodeLevel):
         raise ValueError("a two-level optimizer sends different bytes on each level: read "
                          "opt.last_step.level_bytes instead")
 
@@ -98,7 +98,8 @@ def run_bytes(opt: SCAPE, total_steps: int, *, start: float | None = None,
     def sparsity(g: int, t: int) -> float:
         if start is None or ends[g] == 0.0:
             return ends[g]
-        return sparsity_ramp(t - w, start=start, end=ends[g], ramp_steps=ramp_steps)
+        return sparsity_ramp(t - w, start=min(start, ends[g]), end=ends[g],
+                             ramp_steps=ramp_steps)
 
     dense_total = sent = 0.0
     for t in range(1, total_steps + 1):
@@ -151,15 +152,17 @@ class SparsityRamp:
 
     Every sparse group's sparsity ramps from ``start`` to its value at construction (its
     target) over ``ramp_steps`` sparse steps (:func:`sparsity_ramp`), counted from
-    ``opt.step_count``, so it follows a loaded checkpoint. Give ``ramp_steps``, or
-    ``total_steps`` and ``budget`` to take :func:`longest_ramp`. Save it with the
+    ``opt.step_count``, so it follows a loaded checkpoint; a group whose target is below
+    ``start`` keeps its target throughout. Give ``ramp_steps``, or ``total_steps`` and
+    ``budget`` to take :func:`longest_ramp` (one level only: it counts bytes with the formula
+    of README "Cost"). Save it with the
     optimizer (``scape.save_checkpoint(opt, root, extra={"ramp": ramp})``): its state holds
     the targets, which the groups' own values no longer show mid-ramp.
     """
 
     def __init__(self, opt: SCAPE, *, start: float = 0.5, ramp_steps: int | None = None,
                  total_steps: int | None = None, budget: float | None = None) -> None:
-        _check_opt(opt)
+        _check_opt(opt, counts_bytes=ramp_steps is None)
         if (ramp_steps is None) == (total_steps is None or budget is None):
             raise ValueError("SparsityRamp takes ramp_steps, or total_steps and budget")
         self.opt = opt
@@ -179,8 +182,8 @@ class SparsityRamp:
         """Write the sparsity of the optimizer's next step into every sparse group."""
         j = self.opt.step_count + 1 - self.opt.warmup_steps
         for g, end in zip(self.opt.param_groups, self.ends):
-            if end:
-                g["sparsity"] = sparsity_ramp(j, start=self.start, end=end,
+            if end:  # a group below start (denser) keeps its own sparsity throughout
+                g["sparsity"] = sparsity_ramp(j, start=min(self.start, end), end=end,
                                               ramp_steps=self.ramp_steps)
 
     def state_dict(self) -> dict[str, Any]:

@@ -153,3 +153,54 @@ def test_bad_input():
     with pytest.raises(ValueError, match="param groups"):
         scape.SparsityRamp(opt, ramp_steps=3).load_state_dict(
             {"start": 0.5, "ramp_steps": 3, "ends": [0.99, 0.9]})
+
+
+def test_a_group_below_start_keeps_its_target_and_bytes_count_it():
+    """A ramp from 0.95: the 0.99 group ramps, the 0.9 group (denser than the start) stays at
+    0.9 from the first step (the ramp would otherwise make it sparser than its target), and
+    run_bytes counts it the same way."""
+    steps = 10
+    groups = _groups(5, True)
+    groups[1]["sparsity"] = 0.9
+    opt = _opt(groups)
+    predicted = run_bytes(opt, steps, start=0.95, ramp_steps=6)
+    ramp = scape.SparsityRamp(opt, start=0.95, ramp_steps=6)
+    written, sent = [], 0
+    for t in range(steps):
+        written.append([g["sparsity"] for g in opt.param_groups])
+        _grads(opt, t)
+        opt.step()
+        sent += sum(opt.last_step.bytes.values())
+        ramp.step()
+    assert {w[1] for w in written} == {0.9}
+    assert written[0][0] == 0.95 and written[-1][0] == 0.99
+    dense = sum(p.numel() for g in opt.param_groups for p in g["params"]) * 8 + 8
+    assert sent == pytest.approx(predicted * dense * steps, rel=1e-12)
+
+
+def _two_level_ramp(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    opt = _opt(_groups(6, False), comm=mesh)
+    ramp = scape.SparsityRamp(opt, start=0.5, ramp_steps=4)  # no bytes counted: accepted
+    seen = []
+    for t in range(6):
+        seen.append(opt.param_groups[0]["sparsity"])
+        _grads(opt, t)
+        opt.step()
+        ramp.step()
+    try:
+        scape.SparsityRamp(opt, total_steps=100, budget=0.1)
+        refused = None
+    except ValueError as e:
+        refused = str(e)
+    return seen, refused
+
+
+def test_the_ramp_runs_on_two_levels_and_only_the_byte_budget_is_refused():
+    from dist import run_ranks
+
+    for seen, refused in run_ranks(_two_level_ramp, 4, timeout=180):
+        assert seen[0] == 0.5 and seen[-1] == 0.99 and seen == sorted(seen)
+        assert refused is not None and "two-level" in refused

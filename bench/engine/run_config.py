@@ -45,10 +45,9 @@ class RunConfig:
     (:func:`bench.engine.run_rank.make_groups`)."""
     sparsity_ramp: tuple[float, int] | None = None
     """``(start, ramp_steps)``: after the dense warm-up every sparse group's sparsity ramps
-    from ``start`` (or its own, if lower) to its own over ``ramp_steps`` steps
-    (:func:`scape.sparsity_ramp`, written into the groups before each step as the lr is: the
-    ``j``-th sparse step, from 0, sends the mask made at ``sparsity_ramp(j)``); None: no ramp.
-    SCAPE rows only."""
+    from ``start`` (or its own, if lower) to its own over ``ramp_steps`` steps, by the
+    library's :class:`scape.SparsityRamp` (the ``j``-th sparse step, from 0, sends the mask made
+    at ``scape.sparsity_ramp(j)``); None: no ramp. SCAPE rows only."""
     sparsity_follows_lr: float | None = None
     """A power ``q``: after the ramp (or the dense warm-up) a sparse group's density
     ``1 - sparsity`` follows ``(lr / peak)^q``, scaled so its mean over those steps is the

@@ -25,7 +25,7 @@ from bench.workloads.data import batch_at, eval_loss
 from bench.workloads.gpt import num_params, param_groups
 from bench.workloads.llama import make_model
 from bench.workloads.prose import load
-from scape import sparsity_ramp
+from scape import SparsityRamp
 from scape.comm import HierarchicalCommunicator, TorchCommunicator
 
 
@@ -111,6 +111,8 @@ def _train(cfg: RunConfig, rank: int, world: int) -> dict[str, Any]:
         else torch.device("cpu")
     model, opt, counter, module = _build(cfg, rank, world, device)
     ends = [g.get("sparsity") for g in opt.param_groups]  # each group's sparsity after a ramp
+    ramp = None if cfg.sparsity_ramp is None else SparsityRamp(
+        opt, start=cfg.sparsity_ramp[0], ramp_steps=cfg.sparsity_ramp[1])  # writes step 1's
     follow = follow_mean(cfg) if cfg.sparsity_follows_lr is not None else 1.0
     drift = Drift(module.parameters()) if cfg.drift else None
     seq, global_batch = cfg.seq_len, cfg.batch * world
@@ -135,11 +137,6 @@ def _train(cfg: RunConfig, rank: int, world: int) -> dict[str, Any]:
             world)) for micro in range(cfg.grad_accum)]
         for g, end in zip(opt.param_groups, ends):
             g["lr"] = lr_at(step, cfg)
-            if cfg.sparsity_ramp is not None and end:  # a dense group stays dense
-                start, ramp_steps = cfg.sparsity_ramp
-                # read as this step makes the next one's mask: sparse step j sends ramp(j)
-                g["sparsity"] = sparsity_ramp(step + 1 - cfg.warmup_steps, start=min(start, end),
-                                              end=end, ramp_steps=ramp_steps)
             if cfg.sparsity_follows_lr is not None and end and step + 1 >= cfg.ramp_end:
                 g["sparsity"] = follow_density(step, cfg, end, follow)
         bytes_before = {op: int(v["bytes"]) for op, v in counter.stats.items()}
@@ -156,6 +153,8 @@ def _train(cfg: RunConfig, rank: int, world: int) -> dict[str, Any]:
             loss_sum += loss.detach()
         opt.step()
         opt.zero_grad()
+        if ramp is not None:  # the next step's sparsity, as an LR scheduler writes the lr
+            ramp.step()
         if drift is not None:
             opt.finish_param_sync()  # the step's values in the model, then the reckoning
             drift.after_step()
