@@ -2,9 +2,12 @@
 
 CUDA tensors run the Triton kernels, CPU tensors the torch implementations in
 :mod:`scape.kernels.reference` (the ground truth) or, for ``blockwise_topk``, its exact
-two-level form in :mod:`scape.kernels.topk_torch`; ``SCAPE_KERNELS=triton|torch`` forces one.
+two-level form in :mod:`scape.kernels.topk_torch`; ``set_backend("triton"|"torch")`` forces
+one (``with backend(...)`` for a block). The backend starts as ``SCAPE_KERNELS`` says when the
+package is imported (unset: ``auto``).
 """
 
+from ._checks import BACKENDS, backend, get_backend, set_backend
 from .catchup import catchup_agree_
 from .moments import adams_dense_, adams_sparse_, adamw_dense_
 from .pack import absmax_scales, pack_values, packed_nbytes, unpack_values
@@ -15,6 +18,10 @@ from .stats import gain_score, grad_stats, noise_ema_
 from .topk import blockwise_topk
 
 __all__ = [
+    "BACKENDS",
+    "set_backend",
+    "get_backend",
+    "backend",
     "blockwise_topk",
     "take_",
     "gather",

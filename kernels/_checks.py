@@ -3,12 +3,18 @@
 Validation raises ``TypeError`` (wrong kind of object or dtype) or ``ValueError`` (wrong
 value, shape, layout or device) naming the argument, what was expected and what was got.
 It never reads tensor contents, so it never synchronises with a GPU.
+
+Which implementation an op runs is one module-level setting (:func:`set_backend`), read from
+``SCAPE_KERNELS`` once, when the package is imported; an op's dispatch compares it, and
+``TRITON_INTERPRET`` as read at the same import, and parses nothing.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
+from collections.abc import Iterator, Mapping
 
 import torch
 
@@ -18,40 +24,91 @@ FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MIN_BLOCK_SIZE = 256
 MAX_BLOCK_SIZE = 32768
 
+BACKENDS = ("auto", "torch", "triton", "compile")
+"""The kernel backends :func:`set_backend` takes."""
+ENV = "SCAPE_KERNELS"
+"""The environment variable that gives the backend at import (unset or empty: ``auto``)."""
+
+
+def _backend_name(name: object, where: str) -> str:
+    if not isinstance(name, str):
+        raise TypeError(f"{where} must be a str, one of {BACKENDS}; got {type(name).__name__}")
+    mode = name.strip().lower()
+    if mode not in BACKENDS:
+        raise ValueError(f"{where} must be 'auto', 'triton', 'torch' or 'compile'; got "
+                         f"{name!r}")
+    return mode
+
+
+def backend_from_env(environ: Mapping[str, str]) -> str:
+    """The backend ``SCAPE_KERNELS`` names in ``environ`` (unset or empty: ``auto``);
+    ``ValueError`` naming the variable and its value for anything else."""
+    return _backend_name(environ.get(ENV, "").strip() or "auto", ENV)
+
+
+_backend = backend_from_env(os.environ)
+_interpret_env = os.environ.get("TRITON_INTERPRET")
+INTERPRETED = _interpret_env == "1"
+"""Whether Triton runs its kernels in the interpreter (``TRITON_INTERPRET=1`` when imported:
+Triton reads it then too), which is what lets it run on CPU tensors."""
+
+
+def get_backend() -> str:
+    """The kernel backend in force: ``auto``, ``torch``, ``triton`` or ``compile``."""
+    return _backend
+
+
+def set_backend(name: str) -> str:
+    """Choose the implementation every op runs, from the next call on, in this process;
+    return the previous choice (to restore it).
+
+    ``auto`` (the default): Triton for CUDA tensors, torch for CPU tensors (and for CUDA
+    tensors where Triton is not installed). ``torch`` or ``triton`` forces one: Triton on CPU
+    tensors works only through the interpreter (``TRITON_INTERPRET=1`` set before triton is
+    imported), and an op raises ``RuntimeError`` saying so, or what to install, when it cannot
+    run. ``compile`` dispatches as ``auto`` and runs the ops that have a ``torch.compile``
+    form on CPU tensors through it (:func:`use_compiled`). The initial value comes from
+    ``SCAPE_KERNELS``. Raises ``ValueError`` for another name, ``TypeError`` for a non-str.
+    """
+    global _backend
+    mode = _backend_name(name, "set_backend(name)")
+    previous, _backend = _backend, mode
+    return previous
+
+
+@contextlib.contextmanager
+def backend(name: str) -> Iterator[str]:
+    """:func:`set_backend` for the ``with`` block, then the previous backend again."""
+    previous = set_backend(name)
+    try:
+        yield get_backend()
+    finally:
+        set_backend(previous)
+
 
 def use_triton(t: torch.Tensor) -> bool:
-    """Which implementation runs: Triton for CUDA tensors, torch for CPU tensors (and for
-    CUDA tensors where Triton is not installed).
-
-    ``SCAPE_KERNELS=triton`` or ``SCAPE_KERNELS=torch`` forces one. Triton on CPU tensors only
-    works through the interpreter (``TRITON_INTERPRET=1`` set before triton is imported).
-    ``SCAPE_KERNELS=compile`` dispatches as the default and runs the ops that have a
-    ``torch.compile`` form on CPU tensors through it (:func:`use_compiled`).
-    """
-    mode = os.environ.get("SCAPE_KERNELS", "").strip().lower()
-    if mode in ("", "auto", "compile"):
+    """Whether an op on ``t`` runs its Triton kernel under the backend in force
+    (:func:`set_backend`); ``RuntimeError`` when it is forced to and cannot."""
+    mode = _backend
+    if mode == "auto" or mode == "compile":
         return t.is_cuda and HAVE_TRITON
     if mode == "torch":
         return False
-    if mode == "triton":
-        if not HAVE_TRITON:
-            raise RuntimeError(f"SCAPE_KERNELS=triton: {MISSING}")
-        if not t.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1":
-            raise RuntimeError(
-                "SCAPE_KERNELS=triton with CPU tensors needs TRITON_INTERPRET=1 set before "
-                "triton is imported; got TRITON_INTERPRET="
-                f"{os.environ.get('TRITON_INTERPRET')!r}")
-        return True
-    raise ValueError(f"SCAPE_KERNELS must be 'triton', 'torch', 'compile' or unset; got "
-                     f"{mode!r}")
+    if not HAVE_TRITON:
+        raise RuntimeError(f"kernel backend 'triton' (set_backend or {ENV}): {MISSING}")
+    if not t.is_cuda and not INTERPRETED:
+        raise RuntimeError(
+            f"kernel backend 'triton' (set_backend or {ENV}) with CPU tensors needs "
+            "TRITON_INTERPRET=1 set before triton is imported; got TRITON_INTERPRET="
+            f"{_interpret_env!r}")
+    return True
 
 
 def use_compiled(t: torch.Tensor) -> bool:
-    """Whether an op with a ``torch.compile`` form runs it: on CPU tensors, and only with
-    ``SCAPE_KERNELS=compile`` (the first call compiles, seconds; the compiled code is not
-    bitwise the eager twin, so it is never the default)."""
-    mode = os.environ.get("SCAPE_KERNELS", "").strip().lower()
-    return mode == "compile" and t.device.type == "cpu"
+    """Whether an op with a ``torch.compile`` form runs it: on CPU tensors, and only with the
+    ``compile`` backend (the first call compiles, seconds; the compiled code is not bitwise
+    the eager twin, so it is never the default)."""
+    return _backend == "compile" and t.device.type == "cpu"
 
 
 def check_tensor(name: str, t: object, *, dtypes: tuple[torch.dtype, ...] | None = None,

@@ -4,10 +4,13 @@ The baseline users know: every step reduce-scatters (avg) the whole fp32 gradien
 runs ``torch.optim.AdamW``'s exact update (bias-corrected, decoupled decay) on the owned
 shard, and all-gathers the updated shard into every model. Bytes per rank and step:
 ``N_pad * (b_g + b_p)`` plus the 8-byte scalar all-reduce (norm and non-finite count).
+Memory per rank: the fp32 gradient buffer (``4 * N_pad`` bytes) and, for the owned shard,
+fp32 master weights, ``exp_avg`` and ``exp_avg_sq``: 12 bytes per shard coordinate.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -18,8 +21,23 @@ from scape.comm import Communicator
 from scape.dcp import is_torch_state_dict, load_torch_state_dict, torch_state_dict
 from scape.kernels import adamw_dense_
 from scape.optim_hooks import load_state_dict_hooks, state_dict_hooks
-from scape.rules import ShardState
 from scape.sharded import ShardedOptimizer
+
+
+@dataclasses.dataclass
+class AdamWShard:
+    """AdamW's state of the shard a rank owns (fp32, length S each: 12 bytes per coordinate)."""
+
+    master: torch.Tensor
+    m: torch.Tensor
+    """The first moment (``exp_avg``)."""
+    extra: dict[str, torch.Tensor]
+    """``{"v": the second moment}`` (``exp_avg_sq``), where checkpoint records keep it."""
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The shard-sized state besides :attr:`extra`, by the names a checkpoint record
+        gives it (a record's ``age``, which earlier versions saved, is dropped on load)."""
+        return {"master": self.master, "m": self.m}
 
 
 class DistributedAdamW(ShardedOptimizer):
@@ -54,17 +72,15 @@ class DistributedAdamW(ShardedOptimizer):
     def _bucket_align(self, group: dict) -> int:
         return DENSE_ALIGN
 
-    def _init_shard(self, bucket: Bucket) -> ShardState:
+    def _init_shard(self, bucket: Bucket) -> AdamWShard:
         master = bucket.param_flat[bucket.shard].to(torch.float32).clone()
-        return ShardState(master=master, m=torch.zeros_like(master),
-                          age=torch.zeros(bucket.shard_size, dtype=torch.int32,
-                                          device=bucket.device),
+        return AdamWShard(master=master, m=torch.zeros_like(master),
                           extra={"v": torch.zeros_like(master)})
 
     def _is_dense(self, i: int) -> bool:
         return True
 
-    def state_tensors(self, shard: ShardState) -> dict[str, torch.Tensor]:
+    def state_tensors(self, shard: AdamWShard) -> dict[str, torch.Tensor]:
         return {"exp_avg": shard.m, "exp_avg_sq": shard.extra["v"], "master": shard.master}
 
     def _apply(self, gs: list[torch.Tensor], dense_flags: list[bool]) -> None:
@@ -98,7 +114,10 @@ class DistributedAdamW(ShardedOptimizer):
     @load_state_dict_hooks
     def load_state_dict(self, state_dict: Any) -> None:  # type: ignore[override]
         """Load a :meth:`state_dict` (also as DCP filled it), this rank's
-        :meth:`rank_state_dict`, or a list of every old rank's (any world size)."""
+        :meth:`rank_state_dict`, or a list of every old rank's (any world size).
+
+        A :meth:`rank_state_dict` saved by earlier versions, which kept an unused int32
+        ``age`` per coordinate, loads too: the ages are dropped."""
         self.finish_param_sync()
         if is_torch_state_dict(state_dict):
             load_torch_state_dict(self, state_dict)

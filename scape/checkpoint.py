@@ -1,8 +1,11 @@
 """State of the sharded optimizers: save a rank's shard, load it back, or reshard.
 
-``state_dict()`` holds what this rank owns: per bucket the fp32 master weights, first moment
-(and second moment for AdamW), ages, this rank's residual (its whole fp32 gradient buffer),
-the masks, and the step. Resume is bit-exact on the same world size.
+``state_dict()`` holds what this rank owns: per bucket the shard's state by name (its
+``tensors()``: fp32 master weights and first moment, SCAPE's int32 ages; and its ``extra``:
+a rule's statistics, AdamW's second moment), this rank's residual (its whole fp32 gradient
+buffer), the masks, and the step. Resume is bit-exact on the same world size. A record may
+hold names the shard does not keep (``age`` in a ``DistributedAdamW`` record saved before it
+stopped keeping ages): loading drops them.
 
 Loading onto another world size takes the list of *every* old rank's state dict. Sharded
 tensors are concatenated, stripped of padding and cut again for the new layout. Residuals
@@ -72,7 +75,6 @@ class ShardedState(Protocol):
 
 T = TypeVar("T")
 FORMAT = "scape.sharded/1"
-_SHARD_TENSORS = ("master", "m", "age")
 
 
 def sharded_state(opt: ShardedState, extra_per_bucket: list[dict[str, Any]]) -> dict[str, Any]:
@@ -85,8 +87,8 @@ def sharded_state(opt: ShardedState, extra_per_bucket: list[dict[str, Any]]) -> 
                  "shard_start": b.shard_start, "shard_size": b.shard_size,
                  "residual": opt.residual(i),
                  "extra": {k: v.detach().clone() for k, v in s.extra.items()}}
-        for name in _SHARD_TENSORS:
-            entry[name] = getattr(s, name).detach().clone()
+        for name, t in s.tensors().items():
+            entry[name] = t.detach().clone()
         entry.update(extra)
         buckets.append(entry)
     return {"format": FORMAT, "optimizer": opt.name, "world_size": opt.comm.world_size,
@@ -236,8 +238,8 @@ def _load_states(opt: ShardedState, states: list[dict[str, Any]]) -> list[dict[s
         dev = b.device
         if len(states) == 1 and states[0]["world_size"] == world:
             e = entries[0]
-            for name in _SHARD_TENSORS:
-                getattr(s, name).copy_(e[name])
+            for name, t in s.tensors().items():  # what the shard keeps; the rest is dropped
+                t.copy_(e[name])
             for k in s.extra:  # what the rule keeps; the rest of the file's is dropped
                 if k in e["extra"]:
                     s.extra[k].copy_(e["extra"][k])
@@ -245,8 +247,8 @@ def _load_states(opt: ShardedState, states: list[dict[str, Any]]) -> list[dict[s
                     s.extra[k].zero_()
             b.grad_flat.copy_(e["residual"])
         else:
-            for name in _SHARD_TENSORS:
-                getattr(s, name).copy_(_reshard([e[name] for e in entries], b))
+            for name, t in s.tensors().items():
+                t.copy_(_reshard([e[name] for e in entries], b))
             for k in s.extra:
                 if all(k in e["extra"] for e in entries):
                     s.extra[k].copy_(_reshard([e["extra"][k] for e in entries], b))

@@ -304,9 +304,8 @@ def validate_state(opt: ShardedState, sd: dict[str, Any], rank: int,
                 or n_pad < b.numel or e.get("shard_start") != rank * shard:
             raise CheckpointError(f"{at}: inconsistent layout (shard_size {shard!r}, n_pad "
                                   f"{n_pad!r}, world {world}, {b.numel} elements)")
-        for name in ("master", "m"):
-            _check_tensor(f"{at}, {name}", e.get(name), torch.float32, (shard,))
-        _check_tensor(f"{at}, age", e.get("age"), torch.int32, (shard,))
+        for name, t in s.tensors().items():  # names the shard does not keep are dropped
+            _check_tensor(f"{at}, {name}", e.get(name), t.dtype, (shard,))
         _check_tensor(f"{at}, residual", e.get("residual"), torch.float32, (n_pad,))
         extra = e.get("extra")
         if not isinstance(extra, dict) or set(extra) != set(s.extra):

@@ -85,12 +85,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.block_size = block_size
         self.max_grad_norm = max_grad_norm
         self.grad_comm_dtype = grad_comm_dtype
-        self._faults: faults.FaultPlan | None = None
+        self._faults: faults.FaultPlan | None = None  # armed by scape.faults.install
         self._failed: CommError | None = None
-        try:
-            self._faults = faults.from_env(self.comm.rank)  # SCAPE_FAULT, read once
-        except ValueError as e:
-            error = error or e
         fields = self._fingerprint(groups_trainable, global_fields, error is None)
         agree(self.comm, fields, error, what=self.name)
 

@@ -16,6 +16,17 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))  # tests/dist.py importable from spawned ranks
 
 
+@pytest.fixture
+def kernel_backend():
+    """``kernel_backend(name)`` sets the kernels' backend (``scape.kernels.set_backend``) for
+    the rest of the test; the one before comes back after it."""
+    from scape import kernels
+
+    before = kernels.get_backend()
+    yield kernels.set_backend
+    kernels.set_backend(before)
+
+
 def nan_empty(shape, dtype=torch.float32, device="cpu") -> torch.Tensor:
     """A tensor whose every element is NaN (floats) or the most negative value (integers)."""
     t = torch.empty(shape, dtype=dtype, device=device)

@@ -7,10 +7,12 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import time
+from collections.abc import Mapping
 
 import torch
 
 import scape
+from scape import faults
 
 BLOCK = 256
 OPT_KW = dict(lr=2e-2, sparsity=0.9, block_size=BLOCK, warmup_steps=3, dense_every=5,
@@ -27,6 +29,24 @@ def explore_rule(update: str) -> str:
         base = scape.rules.get(update)
         scape.rules.register(name, dataclasses.replace(base, explore=EXPLORE))
     return name
+
+
+FAULT_ENV = "SCAPE_FAULT"
+"""Where ``tests/torchrun_train.py`` reads its fault spec (:func:`scape.faults.parse`'s format):
+the process that torchrun starts can be told nothing else."""
+
+
+def env_faults(rank: int, environ: Mapping[str, str]) -> list[faults.Fault]:
+    """This rank's faults of ``environ[FAULT_ENV]``; none when it is unset or empty, or in a
+    restarted attempt of a torchrun job (``TORCHELASTIC_RESTART_COUNT`` > 0), so that a
+    restarted job runs clean."""
+    spec = environ.get(FAULT_ENV, "").strip()
+    if not spec:
+        return []
+    mine = faults.parse(spec, rank)
+    if int(environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0:
+        return []
+    return mine
 
 
 def make_model(seed: int = 0) -> torch.nn.Module:

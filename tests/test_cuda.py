@@ -62,9 +62,9 @@ DEV = "cuda"
 
 
 @pytest.fixture(autouse=True)
-def _kernels_by_device(monkeypatch):
+def _kernels_by_device(kernel_backend):
     """CUDA tensors must take the Triton path by dispatch, not by force."""
-    monkeypatch.delenv("SCAPE_KERNELS", raising=False)
+    kernel_backend("auto")
 
 
 def _cpu(t: torch.Tensor) -> torch.Tensor:

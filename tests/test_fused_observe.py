@@ -52,8 +52,8 @@ def _run(update: str, steps: int, comm=None, rank: int = 0, nan_at: int = 7,
 
 @pytest.mark.parametrize("sparsity", [0.97, 0.99])  # the masks with and without the wait
 @pytest.mark.parametrize("mode", ["torch", "triton"])
-def test_fused_step_equals_three_passes(monkeypatch, mode, sparsity):
-    monkeypatch.setenv("SCAPE_KERNELS", mode)
+def test_fused_step_equals_three_passes(monkeypatch, kernel_backend, mode, sparsity):
+    kernel_backend(mode)
     calls = []
     fused_op = builtin.noise_gain_topk_  # what observe_select_gain calls
     monkeypatch.setattr(builtin, "noise_gain_topk_",

@@ -20,8 +20,8 @@ F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
 
 
 @pytest.fixture(params=["triton", "torch"])
-def backend(request, monkeypatch):
-    monkeypatch.setenv("SCAPE_KERNELS", request.param)
+def backend(request, kernel_backend):
+    kernel_backend(request.param)
     return request.param
 
 
@@ -108,7 +108,7 @@ def test_catchup_agree_matches_float64(backend, block_size, n_blocks, k, g_dtype
         assert bool((moved.abs() <= bound / a1.double() * steps * (1 + 1e-4) + 1e-7).all())
 
 
-def test_catchup_agree_triton_matches_torch_twin(monkeypatch):
+def test_catchup_agree_triton_matches_torch_twin(kernel_backend):
     """The kernel against the CPU path on one input: the same formulas in fp32, differing only
     in rounding order (erf, exp and the RMS's summation)."""
     gen = seeded("catchup-twin")
@@ -120,7 +120,7 @@ def test_catchup_agree_triton_matches_torch_twin(monkeypatch):
     hp = dict(lr=3e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.05)
     got = {}
     for mode in ("triton", "torch"):
-        monkeypatch.setenv("SCAPE_KERNELS", mode)
+        kernel_backend(mode)
         p, m, age, s2, s2w = (t.clone() for t in state)
         out = nan_empty(n_blocks * k)
         kernels.catchup_agree_(p, m, age, s2, s2w, g, idx, block_size, **hp, world=8,
@@ -134,10 +134,10 @@ def test_catchup_agree_triton_matches_torch_twin(monkeypatch):
 
 
 @pytest.mark.parametrize("trust", [None, 0.5, 0.0])
-def test_twin_is_the_generic_rule_bit_for_bit(monkeypatch, trust):
+def test_twin_is_the_generic_rule_bit_for_bit(kernel_backend, trust):
     """``rules.catchup_agree`` (the fused op) and ``rules.catchup_snr(agree=True)`` (the torch
     ops the rule was written in) agree bitwise on the CPU."""
-    monkeypatch.setenv("SCAPE_KERNELS", "torch")
+    kernel_backend("torch")
     gen = seeded("catchup-generic", trust)
     block_size, n_blocks, k = 1024, 5, 11
     n = n_blocks * block_size

@@ -33,14 +33,14 @@ def _inputs(block_size, n_blocks, with_prev, key):
 
 
 @pytest.mark.parametrize("block_size,n_blocks,k,k_explore,with_prev", CASES)
-def test_gain_topk_is_the_mask_of_the_score(monkeypatch, block_size, n_blocks, k, k_explore,
+def test_gain_topk_is_the_mask_of_the_score(kernel_backend, block_size, n_blocks, k, k_explore,
                                             with_prev):
     mu, s2, s2w, age, prev = _inputs(block_size, n_blocks, with_prev, k)
     before = [t.clone() for t in (mu, s2, s2w, age)]
     kw = dict(beta=0.95, beta1=0.9, world=4, prev=prev)
     got = {}
     for mode in ("triton", "torch"):
-        monkeypatch.setenv("SCAPE_KERNELS", mode)
+        kernel_backend(mode)
         score = kernels.gain_score(mu, s2, s2w, age, **kw)
         want = kernels.blockwise_topk(score, k, block_size, age=age if k_explore else None,
                                       k_explore=k_explore)
@@ -61,8 +61,8 @@ def test_gain_topk_is_the_mask_of_the_score(monkeypatch, block_size, n_blocks, k
     assert all(torch.equal(a, b) for a, b in zip((mu, s2, s2w, age), before)), "inputs written"
 
 
-def test_gain_topk_writes_the_score_into_out_on_the_two_kernel_path(monkeypatch):
-    monkeypatch.setenv("SCAPE_KERNELS", "torch")
+def test_gain_topk_writes_the_score_into_out_on_the_two_kernel_path(kernel_backend):
+    kernel_backend("torch")
     mu, s2, s2w, age, prev = _inputs(512, 3, True, "out")
     out = nan_empty(mu.numel())
     kernels.gain_topk(mu, s2, s2w, age, 7, 512, k_explore=1, beta=0.95, beta1=0.9, world=2,
@@ -87,11 +87,11 @@ def test_gain_topk_validates():
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 @pytest.mark.parametrize("rule", ["auto", "robust"])
 @pytest.mark.parametrize("sparsity", [0.9, 0.99])
-def test_rule_select_is_its_score_mask(monkeypatch, backend, rule, sparsity):
+def test_rule_select_is_its_score_mask(kernel_backend, backend, rule, sparsity):
     """The built-in gain rules make their masks through ``select``; it gives the mask that
     ``blockwise_topk`` takes from their ``score``, which reads the mask's budget: the fresh
     gain above sparsity 0.974, the gain with the wait up to it (``reads_wait``)."""
-    monkeypatch.setenv("SCAPE_KERNELS", backend)
+    kernel_backend(backend)
     r = rules.get(rule)
     assert r.select is rules.gain_select_auto and r.score is rules.gain_score_auto
     mu, s2, s2w, age, prev = _inputs(1024, 3, True, rule)

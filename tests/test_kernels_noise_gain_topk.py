@@ -53,10 +53,10 @@ def _in_turn(state, k, block_size, k_explore, error_feedback, residual):
 
 
 @pytest.mark.parametrize("block_size,n_blocks,k_cur,k,k_explore,ef,residual", CASES)
-def test_fused_equals_the_ops_in_turn(monkeypatch, block_size, n_blocks, k_cur, k, k_explore,
+def test_fused_equals_the_ops_in_turn(kernel_backend, block_size, n_blocks, k_cur, k, k_explore,
                                       ef, residual):
     for mode in ("triton", "torch"):
-        monkeypatch.setenv("SCAPE_KERNELS", mode)
+        kernel_backend(mode)
         fused = _inputs(block_size, n_blocks, k_cur, k)
         turn = [t.clone() for t in fused]
         old_age = fused[2].clone()
@@ -86,9 +86,9 @@ def test_fused_equals_the_ops_in_turn(monkeypatch, block_size, n_blocks, k_cur, 
 
 
 @pytest.mark.parametrize("block_size,n_blocks,k_cur,k,k_explore,ef,residual", CASES[:4])
-def test_cpu_path_is_the_plain_twins(monkeypatch, block_size, n_blocks, k_cur, k, k_explore,
+def test_cpu_path_is_the_plain_twins(kernel_backend, block_size, n_blocks, k_cur, k, k_explore,
                                      ef, residual):
-    monkeypatch.setenv("SCAPE_KERNELS", "torch")
+    kernel_backend("torch")
     state = _inputs(block_size, n_blocks, k_cur, ("twin", k))
     twin = [t.clone() for t in state]
     score_out = nan_empty(state[0].numel())
@@ -122,9 +122,9 @@ def test_restore_ages_undoes_the_advance():
 
 @pytest.mark.parametrize("mode", ["triton", "torch"])
 @pytest.mark.parametrize("block_size,k", [(256, 9), (4096, 41)])
-def test_catchup_with_the_old_ages_equals_the_catchup_that_ages(monkeypatch, mode,
+def test_catchup_with_the_old_ages_equals_the_catchup_that_ages(kernel_backend, mode,
                                                                  block_size, k):
-    monkeypatch.setenv("SCAPE_KERNELS", mode)
+    kernel_backend(mode)
     gen = seeded("catchup-aged", block_size, k)
     n = 3 * block_size
     mu, s2, s2w, age = gain_inputs(gen, n)
@@ -146,8 +146,8 @@ def test_catchup_with_the_old_ages_equals_the_catchup_that_ages(monkeypatch, mod
     assert not torch.equal(outs[1][0], p), "the catch-up moved nothing: the test cannot tell"
 
 
-def test_validates(monkeypatch):
-    monkeypatch.setenv("SCAPE_KERNELS", "torch")
+def test_validates(kernel_backend):
+    kernel_backend("torch")
     state = _inputs(256, 2, 5, "validate")
     with pytest.raises(ValueError, match="cur must have one row per block"):
         kernels.noise_gain_topk_(*state[:6], state[6][:1], 5, 256, **KW)

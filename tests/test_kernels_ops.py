@@ -32,9 +32,9 @@ HP = dict(lr=3e-2, beta1=0.9, beta2=0.95, eps=1e-8)
 
 
 @pytest.fixture(params=["triton", "torch"])
-def backend(request, monkeypatch):
+def backend(request, kernel_backend):
     """Every test runs on both paths of the public API."""
-    monkeypatch.setenv("SCAPE_KERNELS", request.param)
+    kernel_backend(request.param)
     return request.param
 
 
@@ -149,8 +149,8 @@ def test_adamw_dense(backend, g_dtype, out_dtype, wd, step):
         assert_cast_equal(out, p, "model_out")
 
 
-def test_adamw_dense_torch_path_is_bitwise_torch_adamw(monkeypatch):
-    monkeypatch.setenv("SCAPE_KERNELS", "torch")
+def test_adamw_dense_torch_path_is_bitwise_torch_adamw(kernel_backend):
+    kernel_backend("torch")
     gen = seeded("adamw-bitwise")
     n = 4096 + 256
     param = torch.nn.Parameter(torch.randn(n, generator=gen))

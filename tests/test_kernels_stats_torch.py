@@ -65,9 +65,9 @@ def test_gain_score_slices_are_the_twin_bitwise(monkeypatch, n, with_prev):
     assert bool((want > 0).any()) and bool((want == 0).any())
 
 
-def test_gain_score_out_is_written_and_returned(monkeypatch):
+def test_gain_score_out_is_written_and_returned(kernel_backend):
     """The public op with ``out=``: the same values as without, in the buffer given."""
-    monkeypatch.setenv("SCAPE_KERNELS", "torch")
+    kernel_backend("torch")
     gen = seeded("gain-out")
     n = 4096 + 17
     mu, s2, s2w, age = gain_inputs(gen, n)
@@ -83,11 +83,11 @@ def test_gain_score_out_is_written_and_returned(monkeypatch):
 
 
 @pytest.mark.slow
-def test_compiled_forms_within_fp32_rounding_of_the_twins(monkeypatch):
+def test_compiled_forms_within_fp32_rounding_of_the_twins(kernel_backend):
     """``SCAPE_KERNELS=compile``: one fused loop each (torch.compile); the same values as the
     twins up to fp32 rounding (the gain's signal is a difference of squares, so its
     tolerance is that of tests/test_kernels_ops.py against float64)."""
-    monkeypatch.setenv("SCAPE_KERNELS", "compile")
+    kernel_backend("compile")
     gen = seeded("compiled")
     n = 3 * 1024 + 77
     buf, prev, age, s2, s2w, mu = noise_inputs(gen, n)
@@ -106,6 +106,6 @@ def test_compiled_forms_within_fp32_rounding_of_the_twins(monkeypatch):
     kw = dict(beta=0.95, beta1=0.9, world=8, prev=prev)
     out = nan_empty(n)
     kernels.gain_score(g_mu, g_s2, g_s2w, g_age, **kw, out=out)
-    monkeypatch.setenv("SCAPE_KERNELS", "torch")
+    kernel_backend("torch")
     torch.testing.assert_close(out, kernels.gain_score(g_mu, g_s2, g_s2w, g_age, **kw),
                                rtol=1e-4, atol=1e-6)

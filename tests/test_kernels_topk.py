@@ -17,9 +17,9 @@ from scape.kernels import topk as topk_mod
 
 
 @pytest.fixture
-def triton_path(monkeypatch):
+def triton_path(monkeypatch, kernel_backend):
     """Public API forced onto the Triton kernel; counts launches so a silent fallback fails."""
-    monkeypatch.setenv("SCAPE_KERNELS", "triton")
+    kernel_backend("triton")
     calls = []
     launch = topk_mod.blockwise_topk_triton
 

@@ -102,9 +102,9 @@ def test_group_count_thresholds():
 
 
 @pytest.mark.parametrize("k,two_level", [(41, True), (410, False)])
-def test_cpu_dispatch(monkeypatch, k, two_level):
+def test_cpu_dispatch(monkeypatch, kernel_backend, k, two_level):
     """CPU tensors run topk_torch; it runs two levels exactly when group_count says so."""
-    monkeypatch.delenv("SCAPE_KERNELS", raising=False)
+    kernel_backend("auto")
     calls = []
     single = topk_torch._single_level
 

@@ -1,5 +1,6 @@
 """Bad arguments raise ValueError/TypeError naming the argument, the expected and the actual
-value; dispatch follows the device and SCAPE_KERNELS."""
+value; dispatch follows the device and the backend (``scape.kernels.set_backend``, initially
+``SCAPE_KERNELS``)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import torch
 
 from scape import kernels
 from scape.kernels import (
+    _checks,
     catchup,
     moments,
     reference,
@@ -191,15 +193,34 @@ def test_bad_arguments_raise_with_a_clear_message(call, exc, words):
     assert not missing, f"message {msg!r} lacks {missing}"
 
 
-def test_bad_backend_name(monkeypatch):
-    monkeypatch.setenv("SCAPE_KERNELS", "cuda")
+def test_bad_backend_name(kernel_backend):
+    before = kernels.get_backend()
+    with pytest.raises(ValueError, match="set_backend.*'cuda'"):
+        kernel_backend("cuda")
+    with pytest.raises(TypeError, match="set_backend.*NoneType"):
+        kernel_backend(None)
+    assert kernels.get_backend() == before  # a refused name changes nothing
     with pytest.raises(ValueError, match="SCAPE_KERNELS.*'cuda'"):
-        kernels.grad_stats(_f())
+        _checks.backend_from_env({"SCAPE_KERNELS": "cuda"})
 
 
-def test_triton_on_cpu_needs_the_interpreter(monkeypatch):
-    monkeypatch.setenv("SCAPE_KERNELS", "triton")
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
+def test_backend_setting(kernel_backend):
+    """Read from SCAPE_KERNELS once (unset or empty: auto); set_backend returns the previous
+    one; ``backend`` sets it for a block."""
+    assert _checks.backend_from_env({}) == "auto"
+    assert _checks.backend_from_env({"SCAPE_KERNELS": " "}) == "auto"
+    assert _checks.backend_from_env({"SCAPE_KERNELS": " Torch "}) == "torch"
+    assert kernels.BACKENDS == ("auto", "torch", "triton", "compile")
+    kernel_backend("torch")
+    assert kernels.set_backend("auto") == "torch" and kernels.get_backend() == "auto"
+    with kernels.backend("triton") as name:
+        assert name == "triton" == kernels.get_backend()
+    assert kernels.get_backend() == "auto"
+
+
+def test_triton_on_cpu_needs_the_interpreter(monkeypatch, kernel_backend):
+    kernel_backend("triton")
+    monkeypatch.setattr(_checks, "INTERPRETED", False)
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
         kernels.grad_stats(_f())
 
@@ -228,13 +249,14 @@ LAUNCHES = [
 ]
 
 
-@pytest.mark.parametrize("mode,expect", [("", "torch"), ("torch", "torch"),
+@pytest.mark.parametrize("mode,expect", [("auto", "torch"), ("torch", "torch"),
                                          ("triton", "triton")],
                          ids=["cpu-default", "forced-torch", "forced-triton"])
 @pytest.mark.parametrize("mod,launcher,ref_mod,ref_name,call", [
     pytest.param(*case, id=case[1]) for case in LAUNCHES])
-def test_dispatch(monkeypatch, mode, expect, mod, launcher, ref_mod, ref_name, call):
-    monkeypatch.setenv("SCAPE_KERNELS", mode)
+def test_dispatch(monkeypatch, kernel_backend, mode, expect, mod, launcher, ref_mod, ref_name,
+                  call):
+    kernel_backend(mode)
     used = []
     real_launch, real_ref = getattr(mod, launcher), getattr(ref_mod, ref_name)
     monkeypatch.setattr(mod, launcher, lambda *a, **k: (used.append("triton"),

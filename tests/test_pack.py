@@ -106,8 +106,8 @@ def test_triton_unpack_matches_reference_and_round_trips(n, group, bits, nan_out
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
-def test_public_api_low_precision_inputs(backend, dtype, monkeypatch, nan_out):
-    monkeypatch.setenv("SCAPE_KERNELS", backend)
+def test_public_api_low_precision_inputs(backend, dtype, kernel_backend, nan_out):
+    kernel_backend(backend)
     x = _values(300, 30, "lp", dtype, dtype=dtype)
     s = pack.absmax_scales(x, 30)
     packed = kernels.pack_values(x, s, 30, 4)
@@ -118,9 +118,9 @@ def test_public_api_low_precision_inputs(backend, dtype, monkeypatch, nan_out):
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])
-def test_zero_groups_nan_and_out_of_range(backend, monkeypatch, nan_out):
+def test_zero_groups_nan_and_out_of_range(backend, kernel_backend, nan_out):
     """A zero scale decodes to zeros; NaN maps to code 0; values beyond the scale clamp."""
-    monkeypatch.setenv("SCAPE_KERNELS", backend)
+    kernel_backend(backend)
     x = torch.tensor([0.0, 0.0, 0.0, 0.0, 1.0, float("nan"), -3.0, 0.25])
     s = torch.tensor([0.0, 1.0])
     packed = kernels.pack_values(x, s, 4, 2)

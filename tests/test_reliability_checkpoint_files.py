@@ -3,7 +3,7 @@
 8. A truncated file, a flipped byte, a missing shard, a missing or broken manifest, a bad
    ``latest`` pointer or a checkpoint of another configuration: a clear error on every rank, no
    hang, and the live model and optimizer bitwise unchanged. A rank killed in the middle of a
-   save (``SCAPE_FAULT=1:6:save:die``) leaves the previous checkpoint complete and still the
+   save (fault ``1:6:save:die`` installed) leaves the previous checkpoint complete and still the
    one ``load_checkpoint(opt, root)`` finds.
 9. A shard file whose pickle would write a file through ``__reduce__`` (with a manifest whose
    checksums match it) is refused by ``torch.load(weights_only=True)``; the file is never
@@ -127,9 +127,9 @@ def _crash_in_save_body(rank, world, root):
     scape.save_checkpoint(opt, root)
     with open(f"{root}/hash-rank{rank}", "w") as f:
         f.write(state_hash(snapshot(opt)))
-    os.environ[faults.ENV] = "1:6:save:die"
     model = make_model()
-    opt = make_opt(model)  # reads SCAPE_FAULT
+    opt = make_opt(model)
+    faults.install(opt, "1:6:save:die")
     for t in range(1, 7):
         train_step(model, opt, t, rank)
     scape.save_checkpoint(opt, root)  # rank 1 dies after writing its file, before the manifest

@@ -4,17 +4,25 @@ configured timeout plus a margin, and exit non-zero; no rank hangs, none applies
 
 Every case runs real gloo processes under an outer deadline. Each rank first trains a healthy
 twin of the model in the same process group (the reference for "a whole step"), then builds
-the optimizer under test with ``SCAPE_FAULT`` set (the one fault-injection hook).
+the optimizer under test and installs the fault on it (``scape.faults.install``, the one
+fault-injection hook).
 """
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 from dist import run_ranks_outcomes
-from reliability_common import Clock, differing, make_model, make_opt, snapshot, train_step
+from reliability_common import (
+    FAULT_ENV,
+    Clock,
+    differing,
+    env_faults,
+    make_model,
+    make_opt,
+    snapshot,
+    train_step,
+)
 
 from scape import faults
 
@@ -35,9 +43,9 @@ def _fault_body(rank, world, spec, fault_step, expect_step, bound_s):
         train_step(ref_model, ref_opt, t, rank)
         ref[t] = snapshot(ref_opt)
 
-    os.environ[faults.ENV] = spec
     model = make_model()
     opt = make_opt(model, TorchCommunicator(timeout=TIMEOUT_S))
+    assert faults.install(opt, spec) is None
     assert (opt._faults is not None) == (rank == fault.rank)
     good = None
     for t in range(1, fault_step + 3):
@@ -81,7 +89,7 @@ def _fault_body(rank, world, spec, fault_step, expect_step, bound_s):
 
 
 CASES = [
-    # (world, SCAPE_FAULT, op the survivors name, step they name)
+    # (world, fault spec, op the survivors name, step they name)
     pytest.param(3, "2:7:reduce_scatter:die", "reduce_scatter", 7, id="die-reduce_scatter-W3"),
     pytest.param(2, "1:7:all_reduce:kill", "all_reduce", 7, id="sigkill-all_reduce"),
     pytest.param(2, "1:7:all_gather:die", "all_gather", 7, id="die-all_gather-sparse"),
@@ -127,36 +135,54 @@ def test_fault_spec_parsing_and_validation():
            "1:5:grad:explode": "kind 'explode'", "1:5:all_gather:nan": "needs phase 'grad'",
            "1:5:grad:hang=soon": "ARG a number"}
     for text, words in bad.items():
-        with pytest.raises(ValueError, match="SCAPE_FAULT") as info:
+        with pytest.raises(ValueError, match="Invalid fault") as info:
             faults.parse(text)
         assert words in str(info.value) and text.split(",")[0] in str(info.value)
+    # one rank's faults
+    assert [f.rank for f in faults.parse("1:5:grad:die,0:2:grad:die", 1)] == [1]
+    assert faults.parse("1:5:grad:die", 0) == []
 
 
 def test_fault_plan_from_env():
-    assert faults.from_env(0, {}) is None
-    assert faults.from_env(0, {faults.ENV: "  "}) is None
-    assert faults.from_env(0, {faults.ENV: "1:5:grad:die"}) is None  # not this rank
-    plan = faults.from_env(1, {faults.ENV: "1:5:grad:die,0:2:grad:die"})
-    assert plan is not None and [f.rank for f in plan.faults] == [1]
+    """What the torchrun script arms from ``SCAPE_FAULT`` (tests/reliability_common.py)."""
+    assert env_faults(0, {}) == []
+    assert env_faults(0, {FAULT_ENV: "  "}) == []
+    assert env_faults(0, {FAULT_ENV: "1:5:grad:die"}) == []  # not this rank
+    plan = env_faults(1, {FAULT_ENV: "1:5:grad:die,0:2:grad:die"})
+    assert [f.rank for f in plan] == [1]
     # a restarted elastic job runs clean
-    assert faults.from_env(1, {faults.ENV: "1:5:grad:die",
-                               "TORCHELASTIC_RESTART_COUNT": "1"}) is None
-    assert faults.from_env(1, {faults.ENV: "1:5:grad:die",
-                               "TORCHELASTIC_RESTART_COUNT": "0"}) is not None
+    assert env_faults(1, {FAULT_ENV: "1:5:grad:die", "TORCHELASTIC_RESTART_COUNT": "1"}) == []
+    assert env_faults(1, {FAULT_ENV: "1:5:grad:die",
+                          "TORCHELASTIC_RESTART_COUNT": "0"}) != []
 
 
-def test_hook_unset_costs_nothing_and_bad_spec_raises_at_construction(monkeypatch):
-    monkeypatch.delenv(faults.ENV, raising=False)
-    opt = make_opt(make_model())
-    assert opt._faults is None
-    monkeypatch.setenv(faults.ENV, "0:2:grad:nan=1")
+def test_hook_uninstalled_costs_nothing_and_bad_spec_raises_at_install(monkeypatch):
+    monkeypatch.setenv(FAULT_ENV, "0:1:grad:nan=1")  # the library never reads it
     model = make_model()
     opt = make_opt(model)
+    assert opt._faults is None
+    train_step(model, opt, 1, 0)
+    assert not opt.last_step.skipped
+    model = make_model()
+    opt = make_opt(model)
+    assert faults.install(opt, "0:2:grad:nan=1") is None
     assert opt._faults is not None
     train_step(model, opt, 1, 0)
     assert not opt.last_step.skipped
     train_step(model, opt, 2, 0)
     assert opt.last_step.skipped  # the NaN written at step 2 made the step skip
-    monkeypatch.setenv(faults.ENV, "0:2:grad:boom")
-    with pytest.raises(ValueError, match="SCAPE_FAULT kind 'boom'"):
-        make_opt(make_model())
+    armed = opt._faults
+    with pytest.raises(ValueError, match="fault kind 'boom'"):
+        faults.install(opt, "0:2:grad:boom")
+    assert opt._faults is armed  # a bad spec changes nothing
+    assert faults.install(opt, "1:3:grad:die") is armed and opt._faults is None  # not rank 0
+    # inside `inject` only: the NaN at step 3 skips it, step 4 runs clean
+    with faults.inject(opt, "0:3:grad:inf") as plan:
+        assert plan is not None and opt._faults is plan
+        train_step(model, opt, 3, 0)
+    assert opt.last_step.skipped and opt._faults is None
+    assert faults.uninstall(opt) is None
+    train_step(model, opt, 4, 0)
+    assert not opt.last_step.skipped
+    with pytest.raises(TypeError, match="no fault hook"):
+        faults.install(torch.optim.SGD(make_model().parameters(), lr=0.1), "0:1:grad:die")

@@ -23,6 +23,8 @@ import subprocess
 import sys
 import warnings
 
+from reliability_common import FAULT_ENV
+
 from scape import faults
 
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "torchrun_train.py")
@@ -34,10 +36,10 @@ def _torchrun(tmp, name, fault, restarts):
     ckpt.mkdir(parents=True)
     out.mkdir()
     env = {k: v for k, v in os.environ.items()
-           if k != faults.ENV and not k.startswith("TORCHELASTIC")}
+           if k != FAULT_ENV and not k.startswith("TORCHELASTIC")}
     env["OMP_NUM_THREADS"] = "1"
     if fault:
-        env[faults.ENV] = fault
+        env[FAULT_ENV] = fault
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            "--nproc-per-node=2", f"--max-restarts={restarts}", SCRIPT,
            "--steps", "12", "--every", "3", "--ckpt", str(ckpt), "--out", str(out)]

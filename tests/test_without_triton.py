@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 SCRIPT = r'''
-import importlib.abc, json, os, sys
+import importlib.abc, json, sys
 
 class NoTriton(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
@@ -32,7 +32,7 @@ for _ in range(8):
     loss.backward()
     opt.step()
     losses.append(float(loss))
-os.environ["SCAPE_KERNELS"] = "triton"
+kernels.set_backend("triton")
 try:
     kernels.grad_stats(torch.ones(8))
     forced = ""

@@ -5,9 +5,10 @@
 
 Every attempt starts by loading the latest complete checkpoint in ``--ckpt`` (if any), trains
 to ``--steps`` saving every ``--every`` steps, and writes per rank the step it started from and
-the hash of its final state under ``--out``. A crash is injected with ``SCAPE_FAULT``; the hook
-is off in restarted attempts (``TORCHELASTIC_RESTART_COUNT`` > 0), so the second attempt runs
-clean.
+the hash of its final state under ``--out``. A crash is injected with ``SCAPE_FAULT`` (a
+:func:`scape.faults.parse` spec), which this script reads and installs with
+:func:`scape.faults.install`; only in the first attempt (``TORCHELASTIC_RESTART_COUNT`` = 0),
+so the second attempt runs clean.
 """
 
 from __future__ import annotations
@@ -22,9 +23,17 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from reliability_common import make_model, make_opt, snapshot, state_hash, train_step  # noqa: E402
+from reliability_common import (  # noqa: E402
+    env_faults,
+    make_model,
+    make_opt,
+    snapshot,
+    state_hash,
+    train_step,
+)
 
 import scape  # noqa: E402
+from scape import faults  # noqa: E402
 from scape.comm import TorchCommunicator  # noqa: E402
 
 
@@ -45,6 +54,7 @@ def main() -> None:
     rank = dist.get_rank()
     model = make_model()
     opt = make_opt(model, TorchCommunicator(timeout=10.0))
+    faults.install(opt, env_faults(rank, os.environ))
     start = 0
     if os.path.exists(os.path.join(args.ckpt, scape.io.LATEST)):
         start = scape.load_checkpoint(opt, args.ckpt)

@@ -29,6 +29,11 @@ class ShardState:
     True before the first). The optimizer keeps both (:meth:`saw_lr`, before ``update``) and
     saves them per param group with its counters (:func:`lr_counters`)."""
 
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The shard-sized state besides :attr:`extra`, by the names a checkpoint record
+        (:func:`scape.checkpoint.sharded_state`) gives it."""
+        return {"master": self.master, "m": self.m, "age": self.age}
+
     def saw_lr(self, lr: float) -> None:
         """A sparse update at ``lr``: :attr:`lr_rose` and :attr:`lr_peak` follow it."""
         self.lr_rose, self.lr_peak = lr > self.lr_peak, max(self.lr_peak, lr)
