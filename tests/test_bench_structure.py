@@ -6,8 +6,10 @@ violation, so it is known to fail."""
 from __future__ import annotations
 
 import ast
+import fnmatch
 import importlib
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -473,3 +475,32 @@ def test_readmes_stay_short(path, limit):
     """A training engineer reads the README in ten minutes; the rest lives in docs/."""
     lines = (ROOT / path).read_text().splitlines()
     assert len(lines) <= limit, f"{path} has {len(lines)} lines (at most {limit})"
+
+
+MAX_RESULTS = 60
+
+
+def test_results_are_few_and_each_is_cited():
+    """bench/results keeps what the docs cite (the research log pins the rest to a commit)."""
+    results = ROOT / "bench" / "results"
+    files = sorted(p.relative_to(results).as_posix() for p in results.rglob("*") if p.is_file())
+    assert 0 < len(files) <= MAX_RESULTS, len(files)
+    text = "\n".join(p.read_text() for p in [ROOT / "README.md", ROOT / "bench" / "README.md",
+                                              *sorted((ROOT / "docs").glob("*.md")),
+                                              *sorted((ROOT / "bench").rglob("*.py")),
+                                              *sorted((ROOT / "tests").glob("*.py")),
+                                              *sorted((ROOT / ".ci").glob("*"))])
+    names = set(re.findall(r"[\w./*-]*\{[^{}\s]*\}[\w.{},*-]*|[\w./-]*\*[\w.*-]*", text))
+    patterns = {e.rpartition("bench/results/")[2] for n in names for e in _braces(n)}
+    uncited = [f for f in files if f not in text and f.rpartition("/")[2] not in text
+               and not any(fnmatch.fnmatch(f, p) or fnmatch.fnmatch(f.rpartition("/")[2], p)
+                           for p in patterns)]
+    assert uncited == [], uncited
+
+
+def _braces(s: str) -> list[str]:
+    """``a{b,c}d`` -> ``["abd", "acd"]`` (nested and repeated braces too)."""
+    m = re.search(r"\{([^{}]*)\}", s)
+    if m is None:
+        return [s]
+    return [x for alt in m.group(1).split(",") for x in _braces(s[:m.start()] + alt + s[m.end():])]
