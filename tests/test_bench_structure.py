@@ -490,7 +490,8 @@ def test_results_are_few_and_each_is_cited():
                                               *sorted((ROOT / "bench").rglob("*.py")),
                                               *sorted((ROOT / "tests").glob("*.py")),
                                               *sorted((ROOT / ".ci").glob("*"))])
-    names = set(re.findall(r"[\w./*-]*\{[^{}\s]*\}[\w.{},*-]*|[\w./-]*\*[\w.*-]*", text))
+    names = set(re.findall(r"(?:[\w./*-]*\{[^{}\s]*\}[\w.{},*-]*|[\w./-]+\*[\w.*-]*)"
+                           r"\.(?:json|png|txt|log)", text))
     patterns = {e.rpartition("bench/results/")[2] for n in names for e in _braces(n)}
     uncited = [f for f in files if f not in text and f.rpartition("/")[2] not in text
                and not any(fnmatch.fnmatch(f, p) or fnmatch.fnmatch(f.rpartition("/")[2], p)
