@@ -21,7 +21,7 @@ from scape.comm import Communicator
 from scape.dcp import is_torch_state_dict, load_torch_state_dict, torch_state_dict
 from scape.kernels import adamw_dense_
 from scape.optim_hooks import load_state_dict_hooks, state_dict_hooks
-from scape.sharded import ShardedOptimizer
+from scape.sharded import ShardedOptimizer, positional_error
 
 
 @dataclasses.dataclass
@@ -58,11 +58,13 @@ class DistributedAdamW(ShardedOptimizer):
 
     name = "DistributedAdamW"
 
-    def __init__(self, params: Any, *, lr: float, betas: tuple[float, float] = (0.9, 0.999),
+    def __init__(self, params: Any, *args: Any, lr: float | None = None,
+                 betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0,
                  max_grad_norm: float | None = None,
                  grad_comm_dtype: torch.dtype = torch.float32,
                  comm: Communicator | None = None) -> None:
+        self._call_error = positional_error(self.name, args, lr)
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults, comm=comm, block_size=4096,
                          max_grad_norm=max_grad_norm, grad_comm_dtype=grad_comm_dtype,

@@ -10,12 +10,15 @@ Nothing else is enqueued before this check passes, so no collective is left half
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 _MSG_BYTES = 512
+_SHOWN_BYTES = 1024
+_SHOWN_CHARS = 80
 _ERROR_TYPES: dict[int, type[Exception]] = {1: ValueError, 2: TypeError}
 
 
@@ -36,13 +39,15 @@ def tensor_digest(tensors: Sequence[torch.Tensor]) -> int:
 
 
 def agree(comm: Any, fields: dict[str, int], error: BaseException | None,
-          what: str = "optimizer") -> None:
+          what: str = "optimizer", shown: dict[str, Any] | None = None) -> None:
     """Exchange ``fields`` and ``error`` with every rank; raise the same error on all of them.
 
     ``fields`` must have the same keys in the same order on every rank (values may differ).
+    ``shown``: the plain values behind some fields (hyperparameters), whose reprs the error
+    of a disagreement lists rank by rank (each cut to 80 characters, 1 KiB in all).
     """
     names = list(fields)
-    record = torch.zeros(8 * len(names) + 1 + _MSG_BYTES, dtype=torch.uint8)
+    record = torch.zeros(8 * len(names) + 1 + _MSG_BYTES + _SHOWN_BYTES, dtype=torch.uint8)
     words = torch.tensor([fields[n] for n in names], dtype=torch.int64)
     record[: 8 * len(names)] = words.view(torch.uint8)
     if error is not None:
@@ -51,6 +56,10 @@ def agree(comm: Any, fields: dict[str, int], error: BaseException | None,
         msg = str(error).encode()[:_MSG_BYTES]
         record[8 * len(names) + 1: 8 * len(names) + 1 + len(msg)] = torch.frombuffer(
             bytearray(msg), dtype=torch.uint8)
+    text = _pack_shown(shown or {})
+    if text:
+        at = 8 * len(names) + 1 + _MSG_BYTES
+        record[at:at + len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
     device = getattr(comm, "device", torch.device("cpu"))
     inp = record.to(device)
     out = torch.empty(comm.world_size * inp.numel(), dtype=torch.uint8, device=device)
@@ -59,7 +68,8 @@ def agree(comm: Any, fields: dict[str, int], error: BaseException | None,
     for r in range(comm.world_size):
         code = int(rows[r, 8 * len(names)])
         if code:
-            raw = bytes(rows[r, 8 * len(names) + 1:].tolist()).rstrip(b"\0")
+            raw = bytes(rows[r, 8 * len(names) + 1:8 * len(names) + 1 + _MSG_BYTES].tolist())
+            raw = raw.rstrip(b"\0")
             if r == comm.rank and error is not None:
                 raise error
             raise _ERROR_TYPES[code](f"rank {r}: {raw.decode(errors='replace')}")
@@ -67,10 +77,38 @@ def agree(comm: Any, fields: dict[str, int], error: BaseException | None,
     table = table.view(comm.world_size, -1)
     differ = [n for i, n in enumerate(names) if bool((table[:, i] != table[0, i]).any())]
     if differ:
+        at = 8 * len(names) + 1 + _MSG_BYTES
+        values = [_unpack_shown(bytes(rows[r, at:].tolist())) for r in range(comm.world_size)]
+        lines = []
+        for n in differ:
+            if all(n in v for v in values):
+                lines.append(f"  {n}: " + ", ".join(f"rank {r} {v[n]}"
+                                                   for r, v in enumerate(values)))
         hint = ""
         if "param_values" in differ:
-            hint = (" Parameter values differ: start every rank from the same seed or "
-                    "broadcast rank 0's parameters (torch.distributed.broadcast) before "
-                    "building the optimizer.")
+            hint = (" Parameter values differ: call scape.broadcast_parameters(model) on every "
+                    "rank before building the optimizer (it copies rank 0's values to all), or "
+                    "build the model from the same seed on every rank.")
+        shown_text = ("\n" + "\n".join(lines)) if lines else ""
         raise ValueError(f"{what} configuration differs across ranks in: "
-                         f"{', '.join(differ)}.{hint}")
+                         f"{', '.join(differ)}.{hint}{shown_text}")
+
+
+def _pack_shown(shown: dict[str, Any]) -> bytes:
+    """``shown`` as JSON of short reprs, cut to fit the record (whole entries only)."""
+    out: dict[str, str] = {}
+    for k, v in shown.items():
+        r = repr(v)
+        out[k] = r if len(r) <= _SHOWN_CHARS else r[:_SHOWN_CHARS - 3] + "..."
+        if len(json.dumps(out).encode()) > _SHOWN_BYTES:
+            del out[k]
+            break
+    return json.dumps(out).encode() if out else b""
+
+
+def _unpack_shown(raw: bytes) -> dict[str, str]:
+    try:
+        value = json.loads(raw.rstrip(b"\0").decode() or "{}")
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return {}
+    return value if isinstance(value, dict) else {}

@@ -40,7 +40,7 @@ from scape.masks import MaskState, fit_mask, on_device
 from scape.optim_hooks import load_state_dict_hooks, state_dict_hooks
 from scape.profiling import phase
 from scape.rules import ShardState, block_budget
-from scape.sharded import ShardedOptimizer, _Pending
+from scape.sharded import ShardedOptimizer, _Pending, positional_error
 from scape.two_level import NodeLevel
 
 DIAG_FULL_EVERY = 10
@@ -83,12 +83,14 @@ class SCAPE(ShardedOptimizer):
     name = "SCAPE"
     _step_supports_amp_scaling = True  # GradScaler hands its scale to step(), which refuses it
 
-    def __init__(self, params: Any, *, lr: float, betas: tuple[float, float] = (0.9, 0.95),
+    def __init__(self, params: Any, *args: Any, lr: float | None = None,
+                 betas: tuple[float, float] = (0.9, 0.95),
                  eps: float = 1e-8, weight_decay: float = 0.0, sparsity: float = 0.99,
                  update: str = "auto", block_size: int = 4096, warmup_steps: int = 20,
                  dense_every: int = 0, max_grad_norm: float | None = None,
                  grad_comm_dtype: torch.dtype = torch.float32,
                  comm: Communicator | None = None) -> None:
+        self._call_error = positional_error(self.name, args, lr)
         self.warmup_steps = warmup_steps
         self.dense_every = dense_every
         self.update = update

@@ -58,6 +58,19 @@ class _Handles:
             h.remove()
 
 
+def positional_error(name: str, args: tuple, lr: Any) -> TypeError | None:
+    """The error for hyperparameters given by position after ``params`` (they are taken by
+    name only, as in ``scape.SCAPE(params, lr=3e-4)``), or for no ``lr`` at all; raised on
+    every rank with the rest."""
+    if not args:
+        return None if lr is not None else TypeError(
+            f"{name} needs a learning rate: {name}(params, lr=3e-4, ...)")
+    shown = ", ".join(repr(a) for a in args[:3]) + (", ..." if len(args) > 3 else "")
+    return TypeError(f"{name} takes its hyperparameters by name: got {shown} by position after "
+                     f"params; write {name}(params, lr={args[0]!r}, ...) with every "
+                     "hyperparameter as a keyword")
+
+
 class ShardedOptimizer(torch.optim.Optimizer):
     """Base of :class:`scape.SCAPE` and :class:`scape.DistributedAdamW` (not used directly)."""
 
@@ -88,7 +101,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._faults: faults.FaultPlan | None = None  # armed by scape.faults.install
         self._failed: CommError | None = None
         fields = self._fingerprint(groups_trainable, global_fields, error is None)
-        agree(self.comm, fields, error, what=self.name)
+        agree(self.comm, fields, error, what=self.name,
+              shown=self._shown(groups_trainable, global_fields, error is None))
 
         self._trainable = groups_trainable
         self._norm_out: torch.Tensor | None = None
@@ -132,6 +146,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
     # ----------------------------------------------------------------- subclass interface
     def _validate_args(self, defaults: dict, block_size: int, max_grad_norm: Any,
                        grad_comm_dtype: Any, global_fields: dict) -> None:
+        call_error = getattr(self, "_call_error", None)  # positional hyperparameters
+        if call_error is not None:
+            raise call_error
         config.check_block_size(block_size)
         config.check_max_grad_norm(max_grad_norm)
         if grad_comm_dtype not in _GRAD_COMM_DTYPES:
@@ -228,6 +245,21 @@ class ShardedOptimizer(torch.optim.Optimizer):
         fields["param_values"] = tensor_digest(flat) if valid else 0
         return fields
 
+    def _shown(self, groups: list[list[torch.Tensor]], global_fields: dict,
+               valid: bool) -> dict[str, Any]:
+        """The plain values behind the fingerprint's fields, which a disagreement lists rank
+        by rank (a param group's value, or the list of every group's)."""
+        shown: dict[str, Any] = {}
+        if valid:
+            for n in ("lr", "betas", "eps", "weight_decay", "sparsity"):
+                per_group = [g.get(n) for g in self.param_groups]
+                shown[n] = per_group[0] if len(per_group) == 1 else per_group
+            shown["param_count"] = [len(g) for g in groups]
+        shown.update({k: v for k, v in global_fields.items() if k != "rule"})
+        shown.update(block_size=self.block_size, max_grad_norm=self.max_grad_norm,
+                     grad_comm_dtype=str(self.grad_comm_dtype))
+        return shown
+
     # ------------------------------------------------------------------- public API
     @property
     def step_count(self) -> int:
@@ -323,6 +355,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return self._norm_out
 
     def add_param_group(self, param_group: dict) -> None:
+        """Raises ``RuntimeError`` once the optimizer is built: its param groups are fixed at
+        construction (the flat buffers and shards are laid out once). Build a new optimizer
+        with every group instead."""
         if hasattr(self, "buckets"):
             raise RuntimeError(f"{self.name}: param groups are fixed at construction (the "
                                "flat buffers and shards are built once); build a new optimizer")
