@@ -38,20 +38,28 @@ def _build(rank, world, case):
     return None
 
 
-@pytest.mark.parametrize("case, kind, words", [
-    ("positional", "TypeError", ["by name", "lr=0.001", "0.001, 0.1"]),
-    ("no_lr", "TypeError", ["needs a learning rate", "lr="]),
-    ("lr", "ValueError", ["differs across ranks in: lr", "lr: rank 0 0.001, rank 1 0.002"]),
-    ("betas", "ValueError", ["betas: rank 0 (0.9, 0.95), rank 1 (0.9, 0.96)"]),
-    ("values", "ValueError", ["param_values", "scape.broadcast_parameters(model)"]),
-])
-def test_errors_name_the_fix_on_every_rank(case, kind, words):
-    out = run_ranks(_build, 2, case, timeout=120)
-    for r in out:
-        assert r is not None and r[0] == kind, r
-        for w in words:
-            assert w in r[1], (w, r[1])
-    assert out[0][0] == out[1][0]
+CASES = {  # case -> (the error's type, words it must hold)
+    "positional": ("TypeError", ["by name", "lr=0.001", "0.001, 0.1"]),
+    "no_lr": ("TypeError", ["needs a learning rate", "lr="]),
+    "lr": ("ValueError", ["differs across ranks in: lr", "lr: rank 0 0.001, rank 1 0.002"]),
+    "betas": ("ValueError", ["betas: rank 0 (0.9, 0.95), rank 1 (0.9, 0.96)"]),
+    "values": ("ValueError", ["param_values", "scape.broadcast_parameters(model)"]),
+}
+
+
+def _build_all(rank, world):
+    """Every case in turn in the same processes: each construction is its own agreement."""
+    return {case: _build(rank, world, case) for case in CASES}
+
+
+def test_errors_name_the_fix_on_every_rank():
+    out = run_ranks(_build_all, 2, timeout=120)
+    for case, (kind, words) in CASES.items():
+        for r in (o[case] for o in out):
+            assert r is not None and r[0] == kind, (case, r)
+            for w in words:
+                assert w in r[1], (case, w, r[1])
+        assert out[0][case][0] == out[1][case][0]
 
 
 def test_add_param_group_says_it_raises():

@@ -84,8 +84,8 @@ def test_default_torch_load_resumes_bit_exactly(tmp_path, layout):
     world = LAYOUTS[layout]
     straight = run_ranks(_straight, world, layout, timeout=180)
     path = str(tmp_path / "ckpt")
-    same = run_ranks(_resume, world, layout, path, True, timeout=180)
-    fresh = run_ranks(_resume, world, layout, path, False, timeout=180)
+    same = run_ranks(_resume, world, layout, path, True, timeout=180)  # saves, then resumes
+    fresh = run_ranks(_resume, world, layout, path, False, timeout=180)  # new processes
     for rank in range(world):
         assert straight[rank]["0.params"].size > 0
         assert np.isfinite(straight[rank]["0.params"]).all()
