@@ -205,21 +205,16 @@ def launch(fn: Callable[..., Any], spec: Ranks, *args: Any) -> list[RankOutcome]
         try:
             while len(outcomes) < world and not (failed and spec.fail_fast):
                 try:
-                    kind, rank, payload = q.get(timeout=0.2)
-                    if kind == "progress":
-                        if spec.on_progress is not None:
-                            spec.on_progress(rank, payload)
-                    elif kind == "result":
-                        outcomes[rank] = RankOutcome(rank, True, result=payload)
-                    else:
-                        outcomes[rank] = RankOutcome(rank, False, error=payload[0],
-                                                     exc_type=payload[1])
-                        failed = True
+                    failed |= _record(q.get(timeout=0.2), outcomes, spec)
                     continue
                 except queue.Empty:
                     pass
                 if all(not p.is_alive() for p in procs):
-                    _drain(q, outcomes, spec)  # what the exited ranks managed to report
+                    while True:  # what the exited ranks managed to report
+                        try:
+                            failed |= _record(q.get(timeout=0.5), outcomes, spec)
+                        except queue.Empty:
+                            break
                     break
                 if time.monotonic() > deadline:
                     raise TimeoutError(
@@ -244,15 +239,14 @@ def launch(fn: Callable[..., Any], spec: Ranks, *args: Any) -> list[RankOutcome]
     return out
 
 
-def _drain(q: Any, outcomes: dict[int, RankOutcome], spec: Ranks) -> None:
-    while True:
-        try:
-            kind, rank, payload = q.get(timeout=0.5)
-        except queue.Empty:
-            return
-        if kind == "result":
-            outcomes[rank] = RankOutcome(rank, True, result=payload)
-        elif kind == "error":
-            outcomes[rank] = RankOutcome(rank, False, error=payload[0], exc_type=payload[1])
-        elif spec.on_progress is not None:
-            spec.on_progress(rank, payload)
+def _record(msg: tuple[str, int, Any], outcomes: dict[int, RankOutcome], spec: Ranks) -> bool:
+    """Take one message of a rank: its result, its error (returns True) or its progress."""
+    kind, rank, payload = msg
+    if kind == "result":
+        outcomes[rank] = RankOutcome(rank, True, result=payload)
+    elif kind == "error":
+        outcomes[rank] = RankOutcome(rank, False, error=payload[0], exc_type=payload[1])
+        return True
+    elif spec.on_progress is not None:
+        spec.on_progress(rank, payload)
+    return False
