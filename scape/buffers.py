@@ -20,9 +20,11 @@ Padding coordinates have zero gradient forever, so they never move.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
+
+from scape.local_shards import is_dtensor, local, norm_weight
 
 DENSE_ALIGN = 128
 """Shard alignment (elements) of buckets that are always dense (no block structure)."""
@@ -40,7 +42,7 @@ def flat_layout(params: Sequence[torch.Tensor], unit: int) -> tuple[list[int], l
     offsets = [0]
     for n in numels:
         offsets.append(offsets[-1] + n)
-    return numels, offsets, -(-offsets[-1] // unit) * unit
+    return numels, offsets, max(1, -(-offsets[-1] // unit)) * unit
 
 
 class Bucket:
@@ -55,9 +57,17 @@ class Bucket:
         self.apart = apart
         """Whether these parameters were set apart from the rest of their group (SCAPE's
         embedding matrices: :mod:`scape.embeddings`)."""
-        self.dtype = params[0].dtype
-        self.device = params[0].device
-        self.numels, self.offsets, self.n_pad = flat_layout(params, world * align)
+        self.dtensor = is_dtensor(self.params[0])
+        """Whether the parameters are DTensors (FSDP2, tensor parallel): the buffers then hold
+        copies of their local shards (:mod:`scape.local_shards`)."""
+        shards = [local(p) for p in self.params]
+        self.shapes = [tuple(t.shape) for t in shards]
+        """The shape of each parameter as the buffers hold it (a DTensor's: its local shard)."""
+        self.norm_weight = norm_weight(self.params[0])
+        """What this rank's buffers count for in a sum over the parameters' mesh (1: all)."""
+        self.dtype = shards[0].dtype
+        self.device = shards[0].device
+        self.numels, self.offsets, self.n_pad = flat_layout(shards, world * align)
         self.numel = self.offsets[-1]
         self.shard_size = self.n_pad // world
         self.shard_start = rank * self.shard_size
@@ -69,36 +79,58 @@ class Bucket:
         self._param_views: list[torch.Tensor] = []
         self._hooks = []
         self._moved = False
+        self.on_grad: Callable[[int, torch.Tensor], None] | None = None
+        """Called with (index, gradient) before a DTensor parameter's gradient is added into
+        the buffer (:class:`scape.grad_watch.GradWatch` watches through it)."""
         self.folded_version = -1
         """The buffer's version right after :meth:`fold_stray_grads` last added a gradient."""
-        for p, o, n in zip(self.params, self.offsets, self.numels):
-            view = self.param_flat[o:o + n].view_as(p)
-            view.copy_(p.detach())
-            p.data = view
+        for j, (p, t, o, n) in enumerate(zip(self.params, shards, self.offsets, self.numels)):
+            view = self.param_flat[o:o + n].view_as(t)
+            view.copy_(t.detach())
+            if not self.dtensor:
+                p.data = view
             self._param_views.append(view)
-            g_view = self.grad_flat[o:o + n].view_as(p)
+            g_view = self.grad_flat[o:o + n].view_as(t)
             if p.grad is not None:  # a gradient computed before the optimizer existed
-                g_view.add_(p.grad.detach().to(torch.float32))
+                g_view.add_(local(p.grad).detach().to(torch.float32))
                 p.grad = None
             old = getattr(p, HOOK_ATTR, None)
             if old is not None:  # an earlier optimizer's hook: the newest optimizer owns p
                 old.remove()
-            if self.dtype == torch.float32:
+            if self.dtype == torch.float32 and not self.dtensor:
                 p.grad = g_view
             else:
-                handle = p.register_post_accumulate_grad_hook(self._make_hook(g_view))
+                handle = p.register_post_accumulate_grad_hook(self._make_hook(j, g_view))
                 setattr(p, HOOK_ATTR, handle)
                 self._hooks.append(handle)
             self._views.append(g_view)
-        self._versions = [p._version for p in self.params]
+        self._versions = self._seen()
 
-    @staticmethod
-    def _make_hook(g_view: torch.Tensor):
+    def _make_hook(self, j: int, g_view: torch.Tensor):
         def hook(p: torch.Tensor) -> None:
             if p.grad is not None:
-                g_view.add_(p.grad.view_as(g_view))
+                grad = local(p.grad)
+                if self.on_grad is not None:
+                    self.on_grad(j, grad)
+                g_view.add_(grad.view_as(g_view))
                 p.grad = None
         return hook
+
+    def _seen(self) -> list:
+        """What :meth:`written` compares: each parameter's version counter (a DTensor's
+        local shard's, with where it lies: FSDP2 may give it new storage)."""
+        if self.dtensor:
+            return [(local(p).data_ptr(), local(p)._version) for p in self.params]
+        return [p._version for p in self.params]
+
+    def publish(self) -> None:
+        """Write the parameter values of the buffer into DTensor parameters' local shards
+        (plain parameters are views of it already)."""
+        if not self.dtensor:
+            return
+        for p, view in zip(self.params, self._param_views):
+            local(p).copy_(view)
+        self._versions = self._seen()
 
     @property
     def shard(self) -> slice:
@@ -112,13 +144,13 @@ class Bucket:
         back. A Python loop over parameters, but it only compares pointers unless something
         was replaced.
         """
-        fp32 = self.dtype == torch.float32
+        fp32 = self.dtype == torch.float32 and not self.dtensor
         for i, (p, o, n) in enumerate(zip(self.params, self.offsets, self.numels)):
             g_view = self._views[i]
             if g_view.data_ptr() != self.grad_flat[o:].data_ptr():
                 # ``g_view.data`` was replaced (``model.to(...)`` moves ``p.grad`` in place
                 # of its data): its values are the gradient, a new view takes its place
-                g_view = self._views[i] = self.grad_flat[o:o + n].view_as(p)
+                g_view = self._views[i] = self.grad_flat[o:o + n].view(self.shapes[i])
             g = p.grad
             if g is None:
                 if fp32:
@@ -130,7 +162,7 @@ class Bucket:
                                 "embeddings (sparse=False)")
             if fp32 and g.data_ptr() == g_view.data_ptr() and g.shape == g_view.shape:
                 continue
-            g_view.add_(g.detach().to(torch.float32).view_as(g_view))
+            g_view.add_(local(g).detach().to(torch.float32).view_as(g_view))
             p.grad = g_view if fp32 else None
             self.folded_version = self.grad_flat._version  # a write of ours (grad_watch)
 
@@ -151,11 +183,11 @@ class Bucket:
         (``model.load_state_dict``, an in-place edit). An in-place op on ``p`` bumps ``p``'s
         version counter; the optimizer writes ``param_flat``, which does not, and a write
         through ``p.data`` does not either (it is not seen)."""
-        return self._moved or any(p._version != v for p, v in zip(self.params, self._versions))
+        return self._moved or self._seen() != self._versions
 
     def mark_written(self) -> None:
         """Take the parameters' current values as seen (after adopting them)."""
-        self._versions = [p._version for p in self.params]
+        self._versions = self._seen()
         self._moved = False
 
     def reattach(self) -> None:
@@ -163,7 +195,14 @@ class Bucket:
         optimizer was built copies them, as the Hugging Face Trainer does): their values go
         into the buffer and ``p.data`` is its view again (:meth:`written` then reports them,
         so the optimizer adopts the values). A move to another device or dtype raises: the
-        buffers stay where the optimizer was built."""
+        buffers stay where the optimizer was built. DTensor parameters' local shards written
+        from outside are copied into the buffer the same way."""
+        if self.dtensor:
+            if self._seen() != self._versions:
+                for p, view in zip(self.params, self._param_views):
+                    view.copy_(local(p).detach().view_as(view))
+                self._moved = True
+            return
         for p, view in zip(self.params, self._param_views):
             if p.data_ptr() == view.data_ptr() and p.shape == view.shape:
                 continue

@@ -83,7 +83,7 @@ def sharded_state(opt: ShardedState, extra_per_bucket: list[dict[str, Any]]) -> 
     for i, (b, s, extra) in enumerate(zip(opt.buckets, opt.shards, extra_per_bucket)):
         entry = {"group": b.group, "apart": b.apart, "dtype": str(b.dtype), "numel": b.numel,
                  "n_pad": b.n_pad,
-                 "shapes": [list(p.shape) for p in b.params],
+                 "shapes": [list(s) for s in b.shapes],
                  "shard_start": b.shard_start, "shard_size": b.shard_size,
                  "residual": opt.residual(i),
                  "extra": {k: v.detach().clone() for k, v in s.extra.items()}}
@@ -144,7 +144,7 @@ def check_layout(opt: ShardedState, optimizer: str, groups: list[dict[str, Any]]
                 f"bucket {i} differs: state dict has group {e['group']}, {e['dtype']}, "
                 f"{e['numel']} elements; optimizer has group {b.group}, {b.dtype}, "
                 f"{b.numel} elements (param groups or parameters changed)")
-        shapes = [list(p.shape) for p in b.params]
+        shapes = [list(s) for s in b.shapes]
         if "shapes" in e and e["shapes"] != shapes:  # states saved before 0.2 carry none
             raise ValueError(
                 f"bucket {i} differs: state dict has parameters of shapes {e['shapes']}, the "
@@ -180,6 +180,7 @@ def finish_load(opt: ShardedState, step: int, counters: dict[str, Any],
                 g[k] = v
     for b, s in zip(opt.buckets, opt.shards):
         opt.comm.all_gather(b.param_flat, s.master.to(b.dtype)).wait()
+        b.publish()
 
 
 def _repad(full: torch.Tensor, numel: int, n_pad: int) -> torch.Tensor:

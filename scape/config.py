@@ -78,18 +78,12 @@ def check_max_grad_norm(v: Any) -> None:
         raise ValueError(f"Invalid max_grad_norm: {v!r} (expected None or a finite float > 0)")
 
 
-def _is_dtensor(p: torch.Tensor) -> bool:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # a torch built without distributed has none
-        return False
-    return isinstance(p, DTensor)
-
-
 def check_params(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
     """The trainable tensors of one param group: floating point, dense, distinct, one device.
 
-    Returns the tensors that require grad (frozen ones are not sharded at all).
+    Returns the tensors that require grad (frozen ones are not sharded at all). DTensors
+    (FSDP2, tensor parallel) are checked here as tensors; :func:`scape.local_shards.inspect`
+    checks their meshes.
     """
     params = list(params)
     seen: set[int] = set()
@@ -99,12 +93,6 @@ def check_params(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
         if not isinstance(p, torch.Tensor):
             raise TypeError(f"optimizer params must be tensors, got {type(p).__name__} at "
                             f"index {i}")
-        if _is_dtensor(p):  # before anything reads its values (a DTensor mixes with nothing)
-            raise TypeError(
-                f"param {i} is a DTensor (sharded by FSDP2's fully_shard or by tensor "
-                "parallelism); the sharded optimizers take plain tensors only: build the "
-                "optimizer over a model that is not sharded, with each rank holding all "
-                "parameters and comm= the data-parallel group (README, \"Limits\")")
         if not p.is_leaf:
             raise ValueError(f"can't optimize a non-leaf tensor (param {i}, shape "
                              f"{tuple(p.shape)})")

@@ -55,8 +55,12 @@ class GradWatch:
         self.handles: list[Any] = []
         ref = weakref.ref(self)
         for i, b in enumerate(buckets):
+            if b.dtensor:  # FSDP2 assigns the gradient: the bucket's own hook reports it
+                pre = _pre_hook(ref, i, None)
+                b.on_grad = lambda j, grad, pre=pre: pre(grad, j)
             for j, p in enumerate(b.params):
-                self.handles.append(p.register_hook(_pre_hook(ref, i, j)))
+                if not b.dtensor:
+                    self.handles.append(p.register_hook(_pre_hook(ref, i, j)))
                 self.handles.append(p.register_post_accumulate_grad_hook(_post_hook(ref, i)))
 
     def check(self) -> None:
@@ -84,20 +88,23 @@ class GradWatch:
         return self.norms[i].square().sum() if self.counted else None
 
     def remove(self) -> None:
+        for b in self.buckets:
+            b.on_grad = None
         for h in self.handles:
             h.remove()
         self.handles.clear()
 
 
-def _pre_hook(ref: Any, i: int, j: int) -> Any:
-    def hook(grad: torch.Tensor) -> None:
+def _pre_hook(ref: Any, i: int, j: int | None) -> Any:
+    def hook(grad: torch.Tensor, at: int | None = None) -> None:
+        j_ = j if at is None else at
         watch = ref()
         if watch is None:
             return
         if watch.buckets[i].grad_flat._version != watch.expected[i]:
             watch.outside[i] = True
         if watch.count_norms:
-            watch.norms[i][j] += torch.linalg.vector_norm(grad.detach(), dtype=torch.float32)
+            watch.norms[i][j_] += torch.linalg.vector_norm(grad.detach(), dtype=torch.float32)
     return hook
 
 

@@ -29,14 +29,14 @@ def param_state(buckets: Sequence[Any], shards: Sequence[Any],
     for b, s in zip(buckets, shards):
         tensors = names(s)
         lo_shard, hi_shard = b.shard_start, b.shard_start + b.shard_size
-        for p, o, n in zip(b.params, b.offsets, b.numels):
-            entry: dict[str, Any] = {"residual": b.grad_flat[o:o + n].view(p.shape)}
+        for p, shape, o, n in zip(b.params, b.shapes, b.offsets, b.numels):
+            entry: dict[str, Any] = {"residual": b.grad_flat[o:o + n].view(shape)}
             lo, hi = max(o, lo_shard), min(o + n, hi_shard)
             if lo < hi:
                 whole = (lo, hi) == (o, o + n)
                 for name, t in tensors.items():
                     view = t[lo - lo_shard:hi - lo_shard]
-                    entry[name] = view.view(p.shape) if whole else view
+                    entry[name] = view.view(shape) if whole else view
                 if not whole:
                     entry["owned"] = (lo - o, hi - o)
             state[p] = entry

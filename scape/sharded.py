@@ -22,11 +22,12 @@ from typing import Any
 
 import torch
 
-from scape import config, faults
+from scape import config, faults, local_shards
 from scape.agreement import agree, digest, tensor_digest
 from scape.buffers import Bucket
 from scape.comm import CommError, Communicator, as_communicator
 from scape.grad_watch import GradWatch, clip_norm
+from scape.local_shards import ShardMesh
 from scape.kernels import grad_stats
 from scape.optim_hooks import refuse_copy
 from scape.param_state import param_state
@@ -95,6 +96,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
         except (ValueError, TypeError) as e:
             error = e
         self.comm: Communicator = as_communicator(comm)
+        self._shard_mesh: ShardMesh | None = None
+        """The mesh DTensor parameters are sharded over (:mod:`scape.local_shards`)."""
+        if error is None:
+            try:
+                self._shard_mesh = local_shards.inspect(
+                    [p for g in groups_trainable for p in g], self.comm)
+            except (ValueError, TypeError) as e:
+                error = e
         self.block_size = block_size
         self.max_grad_norm = max_grad_norm
         self.grad_comm_dtype = grad_comm_dtype
@@ -123,11 +132,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
             old_watch.remove()
         self.buckets: list[Bucket] = []
         for gi, trainable in enumerate(self._trainable):
-            by_key: dict[tuple[torch.dtype, bool], list[torch.Tensor]] = {}
-            for p in trainable:
-                by_key.setdefault((p.dtype, id(p) in apart), []).append(p)
+            by_key: dict[tuple[torch.dtype, bool, float], list[torch.Tensor]] = {}
+            for p in trainable:  # (a DTensor replicated over a mesh dimension apart too)
+                by_key.setdefault((p.dtype, id(p) in apart, local_shards.norm_weight(p)),
+                                  []).append(p)
             align = self._bucket_align(self.param_groups[gi])
-            for (_, own), ps in by_key.items():
+            for (_, own, _), ps in by_key.items():
                 self.buckets.append(Bucket(ps, gi, world, rank, align, own))  # type: ignore[arg-type]
         self.shards = [self._init_shard(b) for b in self.buckets]
         self.level: FlatLevel = FlatLevel(self.comm)
@@ -240,9 +250,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
         fields["grad_comm_dtype"] = digest(str(self.grad_comm_dtype))
         flat = [p for g in groups for p in g]
         fields["param_count"] = digest([len(g) for g in groups]) if valid else 0
-        fields["param_shapes"] = digest([tuple(p.shape) for p in flat]) if valid else 0
-        fields["param_dtypes"] = digest([str(p.dtype) for p in flat]) if valid else 0
-        fields["param_values"] = tensor_digest(flat) if valid else 0
+        shards = [local_shards.local(p) for p in flat]  # (a DTensor: its local shard)
+        fields["param_shapes"] = digest([tuple(p.shape) for p in shards]) if valid else 0
+        fields["param_dtypes"] = digest([str(p.dtype) for p in shards]) if valid else 0
+        fields["param_values"] = tensor_digest(shards) if valid else 0
+        if self._shard_mesh is not None:  # the same shard on every rank of comm
+            fields["shard_coordinate"] = digest(self._shard_mesh.coordinate)
         return fields
 
     def _shown(self, groups: list[list[torch.Tensor]], global_fields: dict,
@@ -255,6 +268,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 per_group = [g.get(n) for g in self.param_groups]
                 shown[n] = per_group[0] if len(per_group) == 1 else per_group
             shown["param_count"] = [len(g) for g in groups]
+        if self._shard_mesh is not None:
+            shown["shard_coordinate"] = list(self._shard_mesh.coordinate)
         shown.update({k: v for k, v in global_fields.items() if k != "rule"})
         shown.update(block_size=self.block_size, max_grad_norm=self.max_grad_norm,
                      grad_comm_dtype=str(self.grad_comm_dtype))
@@ -283,7 +298,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         def sync_first(module: torch.nn.Module, *args: Any) -> None:
             self.finish_param_sync()  # the model holds the last step's parameters first
 
-        forward = model.register_forward_pre_hook(pre_hook)
+        # first among the pre-hooks: FSDP2's all-gathers the parameters in its own
+        forward = model.register_forward_pre_hook(pre_hook, prepend=True)
         save = model.register_state_dict_pre_hook(sync_first)
         load = model.register_load_state_dict_pre_hook(sync_first)
         return _Handles(forward, save, load)
@@ -299,8 +315,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 with phase("scape/all_gather", device):
                     for pend in self._pending:
                         pend.work.wait()
-                        if pend.finish is not None and id(pend.bucket) not in written:
-                            pend.finish()  # (values written meanwhile are kept instead)
+                        if id(pend.bucket) not in written:  # (values written meanwhile are
+                            if pend.finish is not None:  # kept instead)
+                                pend.finish()
+                            pend.bucket.publish()
             except CommError as e:
                 self._failed = e
                 raise
@@ -419,6 +437,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             s = grad_stats(self.level.buffer(i, self.buckets[i]))
             self._pre_sumsq.append(s[0])
             local[1] += s[1]
+        weight = [b.norm_weight for b in self.buckets]  # 1 but for replicated DTensors
         # 2. take + reduce-scatter, every bucket in flight together
         received: list[tuple[torch.Tensor, Any]] = []
         if fault is not None:
@@ -437,13 +456,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 g = g.float() if g.dtype != torch.float32 else g
                 gs.append(g)
                 sumsq = grad_stats(g)[0]
-                local[0] += sumsq
+                w = weight[i]
+                local[0] += sumsq if w == 1.0 else w * sumsq
                 if clip and not dense_flags[i]:
-                    local[2] += sumsq
+                    local[2] += sumsq if w == 1.0 else w * sumsq
                     sent = self._sent_sumsq[i]
-                    local[3] += 0.0 if sent is None else sent
+                    local[3] += 0.0 if sent is None else (sent if w == 1.0 else w * sent)
                     fresh = self.level.fresh_sumsq(i, self._watch)
-                    local[4] += self._pre_sumsq[i] if fresh is None else fresh
+                    fresh = self._pre_sumsq[i] if fresh is None else fresh
+                    local[4] += fresh if w == 1.0 else w * fresh
                 self.last_sync[i] = {"g": g.clone() if self.max_grad_norm else g,
                                      "mask": self._step_mask(i, dense_flags[i])}
         # 3. one scalar all-reduce: norm of the synchronized gradient + non-finite count
@@ -451,6 +472,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if fault is not None:
             fault.fire(self._step, "all_reduce", self)
         self.comm.all_reduce(local, op="sum").wait()
+        if self._shard_mesh is not None:  # and over the other shards of the model
+            self._shard_mesh.all_reduce_(local)
         grad_norm = local[0].sqrt() if not clip else clip_norm(local, self.level.senders)
         skipped = bool(local[1] > 0)
         for b, dense in zip(self.buckets, dense_flags):
