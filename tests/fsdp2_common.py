@@ -58,8 +58,8 @@ def batch(step: int, rank: int, n: int = 8) -> tuple[torch.Tensor, torch.Tensor]
     """Global rank ``rank``'s batch at ``step`` (fresh random inputs from a fixed seed)."""
     g = torch.Generator().manual_seed(10_000 * step + rank)
     x = torch.randn(n, D_IN, generator=g)
-    y = torch.randint(0, D_OUT, (n,), generator=g)
-    return x, y
+    teacher = torch.randn(D_IN, D_OUT, generator=torch.Generator().manual_seed(123))
+    return x, (x @ teacher).argmax(1)  # a target the model can learn: the loss falls
 
 
 def loss_of(model: torch.nn.Module, step: int, rank: int) -> torch.Tensor:
@@ -74,6 +74,16 @@ def full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
         t = p.full_tensor() if hasattr(p, "full_tensor") else p
         out[name] = t.detach().clone()
     return out
+
+
+def sparse_step_bytes(opt: Any, clip: bool) -> int:
+    """docs/design.md's bytes of a sparse step over ``comm``, from the buckets' (local)
+    sizes: ``K * (b_g + b_p + 2)`` per bucket, plus the step's scalar all-reduce."""
+    total = 4 * (5 if clip else 2)
+    for b in opt.buckets:
+        k = max(1, round((1 - opt.param_groups[b.group]["sparsity"]) * opt.block_size))
+        total += (b.n_pad // opt.block_size) * k * (4 + b.param_flat.element_size() + 2)
+    return total
 
 
 def digest(params: dict[str, torch.Tensor]) -> str:
