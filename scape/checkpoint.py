@@ -29,6 +29,7 @@ from scape.agreement import agree, digest
 if TYPE_CHECKING:
     from scape.buffers import Bucket
     from scape.comm import Communicator
+    from scape.local_shards import ShardMesh
 
 
 class ShardedState(Protocol):
@@ -52,6 +53,9 @@ class ShardedState(Protocol):
 
     @property
     def step_count(self) -> int: ...
+
+    @property
+    def shard_mesh(self) -> ShardMesh | None: ...
 
     @property
     def optional_state_names(self) -> tuple[str, ...]: ...

@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from scape.checkpoint import ShardedState, agree_to_load, check_layout, finish_load
+from scape.local_shards import global_ranks
 
 FORMAT = "scape.torch/1"
 KEY = "scape"
@@ -60,21 +61,13 @@ def _spans(b: Any) -> list[list[tuple[int, int]]]:
     return out
 
 
-def _global_ranks(comm: Any) -> list[int]:
-    if hasattr(comm, "global_ranks"):  # two levels (scape.comm.HierarchicalCommunicator)
-        return list(comm.global_ranks())
-    group = getattr(comm, "group", None)
-    if group is None or not dist.is_initialized():
-        return list(range(comm.world_size))
-    return [dist.get_global_rank(group, r) for r in range(comm.world_size)]
-
-
-def _sharded(local: torch.Tensor, offsets: list[list[int]], sizes: list[list[int]],
-             global_size: list[int], rank: int, ranks: list[int]) -> Any:
-    """A ``ShardedTensor`` of ``global_size`` whose rank-r part is at ``offsets[r]`` with
-    ``sizes[r]``; this rank's part is ``local``. Every rank has a part, maybe empty (at an
-    end of the range): DCP's load drops a ``ShardedTensor`` with no local part, and a key
-    missing on one rank makes it read the checkpoint in an older key format."""
+def _sharded(local: torch.Tensor, parts: list[tuple[int, list[int], list[int]]],
+             global_size: list[int], me: int) -> Any:
+    """A ``ShardedTensor`` of ``global_size`` made of ``parts`` = ``(global rank, offsets,
+    sizes)`` (every rank's, all of them); this rank's (global rank ``me``) is ``local``. Every
+    rank has a part, maybe empty (at an end of the range): DCP's load drops a
+    ``ShardedTensor`` with no local part, and a key missing on one rank makes it read the
+    checkpoint in an older key format."""
     from torch.distributed._shard.metadata import ShardMetadata
     from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
     from torch.distributed._shard.sharded_tensor.metadata import (
@@ -83,17 +76,34 @@ def _sharded(local: torch.Tensor, offsets: list[list[int]], sizes: list[list[int
     )
 
     device = str(local.device)
-    metas = [ShardMetadata(list(off), list(size), f"rank:{ranks[r]}/{device}")
-             for r, (off, size) in enumerate(zip(offsets, sizes))]
+    metas = [ShardMetadata(list(off), list(size), f"rank:{r}/{device}")
+             for r, off, size in parts]
     props = TensorProperties(dtype=local.dtype)
     md = ShardedTensorMetadata(metas, torch.Size(global_size), props)
-    shards = [Shard(local, metas_r) for metas_r in metas
-              if metas_r.placement is not None and metas_r.placement.rank() == ranks[rank]]
+    shards = [Shard(local, m) for m in metas
+              if m.placement is not None and m.placement.rank() == me]
     with warnings.catch_warnings():  # torch marks ShardedTensor for replacement by DTensor,
         warnings.simplefilter("ignore", FutureWarning)  # which cannot hold arbitrary slices
         st = ShardedTensor._init_from_local_shards_and_global_metadata(shards, md)
     st.__class__ = _owned_slices(ShardedTensor)
     return st
+
+
+def _global_offset(p: torch.Tensor, mesh: Any) -> int:
+    """Where a DTensor parameter's local shard starts in its flattened coordinates: FSDP2's
+    dim-0 chunks over a one-dimensional mesh (``ValueError`` for another layout)."""
+    placements = p.placements  # type: ignore[attr-defined]
+    if mesh is None or mesh.mesh.ndim != 1 or not placements[0].is_shard(0):
+        raise ValueError(
+            f"opt.state_dict() with DTensor parameters takes FSDP2's dim-0 sharding over a "
+            f"one-dimensional mesh (fully_shard(..., mesh=mesh['dp_shard'])); got placements "
+            f"{tuple(placements)} on a {mesh.mesh.ndim if mesh is not None else '?'}-D mesh "
+            "(tensor parallel): this layout cannot be checkpointed through the optimizer's "
+            "state dict yet")
+    d0 = p.shape[0]
+    chunk = -(-d0 // mesh.mesh.size(0))
+    start = min(mesh.coordinate[0] * chunk, d0)
+    return start * (p.numel() // d0) if d0 else 0
 
 
 @functools.cache
@@ -162,20 +172,31 @@ def _pad_spans(b: Any) -> list[tuple[int, int]]:
     return tail
 
 
-def _padding(b: Any, tensors: dict[str, torch.Tensor], rank: int, ranks: list[int]
-             ) -> dict[str, Any]:
+def _padding(b: Any, tensors: dict[str, torch.Tensor], rank: int, single: bool, me: int,
+             tails: list[int], spans: list[list[tuple[int, int, int]]]) -> dict[str, Any]:
     """The shard state over the bucket's padding (the ages of padding coordinates steer the
     masks of a block that holds both): kept with the bucket's last parameter, sized by the
-    world size, so it is restored on the same world size and zeroed on another."""
-    spans = _pad_spans(b)
-    lo, hi = spans[rank]
-    tail = b.n_pad - b.numel
+    world size, so it is restored on the same world size and zeroed on another. With DTensor
+    parameters each shard of the model has its own padding (``tails``, the parts ``spans``:
+    per shard, per rank ``(global rank, lo, hi)``), laid end to end."""
+    lo, hi = _pad_spans(b)[rank]
+    total = sum(tails)
+    parts = []
+    for base, row in zip(_bases(tails), spans):
+        parts += [(gr, [base + a] if c > a else [total], [c - a]) for gr, a, c in row]
     out: dict[str, Any] = {}
     for name, t in tensors.items():
         start = b.numel - b.shard_start
         local = t[max(start + lo, 0):max(start + hi, 0)].detach().clone()
-        out[name] = local if b.world == 1 else _sharded(
-            local, [[a] for a, _ in spans], [[c - a] for a, c in spans], [tail], rank, ranks)
+        out[name] = local if single else _sharded(local, parts, [total], me)
+    return out
+
+
+def _bases(sizes: list[int]) -> list[int]:
+    out, at = [], 0
+    for n in sizes:
+        out.append(at)
+        at += n
     return out
 
 
@@ -185,6 +206,24 @@ def _to_bytes(t: torch.Tensor | None) -> bytes | None:
     buf = io.BytesIO()
     torch.save(t.detach().cpu().clone(), buf)
     return buf.getvalue()
+
+
+def _blob(value: Any) -> bytes:
+    """Plain values (lists, dicts, strings, numbers, bytes) as one value of the state dict:
+    DCP keeps one key for it, however many shards it describes."""
+    buf = io.BytesIO()
+    torch.save(value, buf)
+    return buf.getvalue()
+
+
+def _unblob(b: Any, where: str) -> Any:
+    if not isinstance(b, bytes):
+        raise ValueError(f"{where}: expected bytes, got {type(b).__name__}")
+    try:
+        return torch.load(io.BytesIO(b), weights_only=True)
+    except Exception as e:  # UnpicklingError, or whatever a damaged stream raises
+        raise ValueError(f"{where}: cannot be read with torch.load(weights_only=True) (a "
+                         "damaged state dict, or one carrying code)") from e
 
 
 def _from_bytes(b: Any, where: str) -> torch.Tensor | None:
@@ -208,49 +247,72 @@ def _from_bytes(b: Any, where: str) -> torch.Tensor | None:
 def torch_state_dict(opt: ShardedState, bucket_extras: list[dict[str, torch.Tensor | None]]
                      ) -> dict[str, Any]:
     """The state dict of the module docstring (``bucket_extras``: per bucket, the replicated
-    tensors the subclass keeps, such as masks)."""
+    tensors the subclass keeps, such as masks). With DTensor parameters (FSDP2) the tensors
+    are in the parameters' global coordinates and the layout of every shard of the model is
+    recorded (one ``all_gather_object`` over the shard mesh)."""
     opt.check_usable()
     comm = opt.comm
     world, rank = comm.world_size, comm.rank
-    ranks = _global_ranks(comm) if world > 1 else [0]
+    mesh = getattr(opt, "shard_mesh", None)
+    single = world == 1 and mesh is None  # plain tensors
+    ranks = [0] if single else global_ranks(comm)
+    me = ranks[rank]
     pid: dict[Any, int] = {}
     for g in opt.param_groups:
         for p in g["params"]:
             pid[p] = len(pid)
+    mine: dict[str, list[Any]] = {"params": [], "pads": [], "buckets": []}
+    for b, extras in zip(opt.buckets, bucket_extras):
+        for p, n, spans in zip(b.params, b.numels, _spans(b)):
+            g0, full = (_global_offset(p, mesh) if b.dtensor else 0), p.numel()
+            mine["params"].append({
+                "state": [(ranks[r], [g0 + lo] if hi > lo else [full], [hi - lo])
+                          for r, (lo, hi) in enumerate(spans)],
+                "residual": [(ranks[r], [r, g0], [1, n]) for r in range(world)]})
+        mine["pads"].append((b.n_pad - b.numel, [(ranks[r], a, c)
+                                                 for r, (a, c) in enumerate(_pad_spans(b))]))
+        info = {"group": b.group, "apart": b.apart, "dtype": str(b.dtype), "numel": b.numel,
+                "shapes": [list(shape) for shape in b.shapes],
+                **{k: _to_bytes(v) for k, v in extras.items()}}
+        if mesh is not None:
+            info["tail"] = b.n_pad - b.numel
+        mine["buckets"].append(info)
+    everyone = [mine]
+    if mesh is not None:  # every shard's layout, the same list on every rank
+        everyone = [None] * mesh.mesh.size(0)
+        dist.all_gather_object(everyone, mine, group=mesh.groups[0])
     state: dict[int, dict[str, Any]] = {}
-    buckets = []
-    for i, (b, s, extras) in enumerate(zip(opt.buckets, opt.shards, bucket_extras)):
+    k = 0
+    for i, (b, s) in enumerate(zip(opt.buckets, opt.shards)):
         tensors = opt.state_tensors(s)
         residual = opt.residual(i)
         for p, o, n, spans in zip(b.params, b.offsets, b.numels, _spans(b)):
             lo, hi = spans[rank]
+            parts = [part for e in everyone for part in e["params"][k]["state"]]
+            rows = [part for e in everyone for part in e["params"][k]["residual"]]
             entry: dict[str, Any] = {}
             for name, t in tensors.items():
                 local = t[max(lo + o - b.shard_start, 0):max(hi + o - b.shard_start, 0)]
                 local = local.detach().clone()
-                if world == 1:
-                    entry[name] = local
-                else:
-                    entry[name] = _sharded(local, [[a] for a, _ in spans],
-                                           [[c - a] for a, c in spans], [n], rank, ranks)
-            if p is b.params[-1] and b.n_pad > b.numel:
-                entry["padding"] = _padding(b, tensors, rank, ranks)
+                entry[name] = local if single else _sharded(local, parts, [p.numel()], me)
+            tails = [e["pads"][i][0] for e in everyone]
+            if p is b.params[-1] and max(tails) > 0:
+                entry["padding"] = _padding(b, tensors, rank, single, me, tails,
+                                            [e["pads"][i][1] for e in everyone])
             own = residual[o:o + n].view(1, n)
-            entry["residual"] = own if world == 1 else _sharded(
-                own, [[r, 0] for r in range(world)], [[1, n]] * world, [world, n], rank, ranks)
+            entry["residual"] = own if single else _sharded(own, rows, [world, p.numel()], me)
             state[pid[p]] = entry
-        buckets.append({"group": b.group, "apart": b.apart, "dtype": str(b.dtype),
-                        "numel": b.numel,
-                        "shapes": [list(p.shape) for p in b.params],
-                        **{k: _to_bytes(v) for k, v in extras.items()}})
+            k += 1
     groups = []
     for g in opt.param_groups:
-        entry = {k: v for k, v in g.items() if k != "params"}
+        entry = {k_: v for k_, v in g.items() if k_ != "params"}
         entry["params"] = [pid[p] for p in g["params"]]
         groups.append(entry)
+    layout: dict[str, Any] = {"buckets": mine["buckets"]} if mesh is None else {
+        "shard_buckets": _blob([e["buckets"] for e in everyone])}
     groups[0][KEY] = {"format": FORMAT, "optimizer": opt.name, "world_size": world,
                       "step": opt.step_count, "block_size": opt.block_size,
-                      "counters": dict(opt.counters()), "buckets": buckets}
+                      "counters": dict(opt.counters()), **layout}
     return {"state": state, "param_groups": groups}
 
 
@@ -283,6 +345,7 @@ def _check(opt: ShardedState, sd: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(info, dict) or info.get("format") != FORMAT:
         raise ValueError(f"not a {FORMAT} state dict: param_groups[0][{KEY!r}] is missing "
                          "(a state dict of another optimizer?)")
+    info = _this_shard(opt, info)
     check_layout(opt, info["optimizer"], groups, info["block_size"], info["buckets"])
     for i, (saved, live) in enumerate(zip(groups, opt.param_groups)):
         if len(saved["params"]) != len(live["params"]):
@@ -316,6 +379,29 @@ def _check(opt: ShardedState, sd: dict[str, Any]) -> dict[str, Any]:
     return info
 
 
+def _this_shard(opt: ShardedState, info: dict[str, Any]) -> dict[str, Any]:
+    """``info`` with ``buckets`` the layout of this rank's shard of the model (a state dict
+    of DTensor parameters records every shard's); ``ValueError`` if the model is sharded
+    into another number of parts than when it was saved, or only one of the two is."""
+    mesh = getattr(opt, "shard_mesh", None)
+    saved = info.get("shard_buckets")
+    if saved is not None:
+        saved = _unblob(saved, "the shards' layout")
+    if (saved is None) != (mesh is None):
+        how = ("DTensor parameters (FSDP2)", "plain parameters")
+        raise ValueError(f"the state dict was saved with {how[saved is None]} and the "
+                         f"optimizer has {how[mesh is None]}; load it into the same layout")
+    if mesh is None:
+        return info
+    shards = mesh.mesh.size(0)
+    if len(saved) != shards:
+        raise ValueError(
+            f"the state dict was saved with the model sharded {len(saved)} ways (dp_shard) "
+            f"and this model is sharded {shards} ways: another dp_replicate size loads, the "
+            "dp_shard size must stay the same")
+    return {**info, "buckets": saved[mesh.coordinate[0]], "shard_buckets": saved}
+
+
 def load_torch_state_dict(opt: ShardedState, sd: dict[str, Any]
                           ) -> list[dict[str, torch.Tensor | None]]:
     """Load a state dict of :func:`torch_state_dict` (as saved, or filled by DCP); return per
@@ -328,7 +414,7 @@ def load_torch_state_dict(opt: ShardedState, sd: dict[str, Any]
     return extras
 
 
-_LAYOUT_KEYS = ("group", "apart", "dtype", "numel", "shapes")
+_LAYOUT_KEYS = ("group", "apart", "dtype", "numel", "shapes", "tail")
 
 
 def _read(opt: ShardedState, sd: dict[str, Any]
@@ -344,36 +430,43 @@ def _read(opt: ShardedState, sd: dict[str, Any]
     pids = [pid for g in sd["param_groups"] for pid in g["params"]]
     live_params = [p for g in opt.param_groups for p in g["params"]]
     pid_of = {id(p): pid for pid, p in zip(pids, live_params)}
+    mesh = getattr(opt, "shard_mesh", None)
     pending = []  # (destination, source) pairs, written only once all are read and checked
-    for b, s in zip(opt.buckets, opt.shards):
+    for i, (b, s) in enumerate(zip(opt.buckets, opt.shards)):
         tensors = opt.state_tensors(s)
         for p, o, n, spans in zip(b.params, b.offsets, b.numels, _spans(b)):
             entry = sd["state"][pid_of[id(p)]]
             lo, hi = spans[rank]
+            g0 = _global_offset(p, mesh) if b.dtensor else 0  # where the local shard lies
             for name, t in tensors.items():
                 dest = t[max(lo + o - b.shard_start, 0):max(hi + o - b.shard_start, 0)]
                 if name not in entry:  # a statistic of this rule the saving one did not keep
                     pending.append((dest, torch.zeros_like(dest)))
                     continue
                 for off, part in _parts(entry[name]):
-                    part = part.reshape(-1)
-                    a, c = max(off[0], lo), min(off[0] + part.numel(), hi)
+                    part, at = part.reshape(-1), off[0] - g0
+                    a, c = max(at, lo), min(at + part.numel(), hi)
                     if a < c:
-                        pending.append((dest[a - lo:c - lo], part[a - off[0]:c - off[0]]))
+                        pending.append((dest[a - lo:c - lo], part[a - at:c - at]))
             if p is b.params[-1] and b.n_pad > b.numel:
                 start = b.numel - b.shard_start
                 plo, phi = _pad_spans(b)[rank]
                 saved = entry.get("padding") if old_world == world else None
+                base = 0
+                if mesh is not None:  # the shards' paddings lie end to end
+                    base = sum(e[i]["tail"]
+                               for e in info["shard_buckets"][:mesh.coordinate[0]])
                 for name, t in tensors.items():
                     dest = t[max(start + plo, 0):max(start + phi, 0)]
                     if saved is None or name not in saved:
                         pending.append((dest, torch.zeros_like(dest)))
                         continue
                     for off, part in _parts(saved[name]):
-                        a, c = max(off[0], plo), min(off[0] + part.numel(), phi)
+                        at = off[0] - base
+                        a, c = max(at, plo), min(at + part.numel(), phi)
                         if a < c:
                             pending.append((dest[a - plo:c - plo],
-                                            part.reshape(-1)[a - off[0]:c - off[0]]))
+                                            part.reshape(-1)[a - at:c - at]))
             rows = entry["residual"]
             dest = b.grad_flat[o:o + n]
             if _size(rows)[0] == world == old_world:
@@ -387,12 +480,13 @@ def _read(opt: ShardedState, sd: dict[str, Any]
                 pending.append((dest, own[0]))
             else:  # another world size: the mean of the old ranks' residuals, read whole
                 whole = [part for _, part in _parts(rows)]
-                if len(whole) != 1 or list(whole[0].shape) != [old_world, n]:
+                if len(whole) != 1 or list(whole[0].shape) != [old_world, p.numel()]:
                     raise ValueError(
                         f"the state dict is from {old_world} ranks and this is {world}: load "
                         "it with dcp.load(..., planner=scape.dcp.ReshardPlanner()) so every "
                         "rank reads every old rank's residual")
-                pending.append((dest, whole[0].to(torch.float32).mean(0)))
+                mean = whole[0][:, g0:g0 + n].to(torch.float32).mean(0)
+                pending.append((dest, mean.view_as(dest)))
     return info, pending, extras
 
 

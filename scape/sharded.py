@@ -27,8 +27,8 @@ from scape.agreement import agree, digest, tensor_digest
 from scape.buffers import Bucket
 from scape.comm import CommError, Communicator, as_communicator
 from scape.grad_watch import GradWatch, clip_norm
-from scape.local_shards import ShardMesh
 from scape.kernels import grad_stats
+from scape.local_shards import ShardMesh
 from scape.optim_hooks import refuse_copy
 from scape.param_state import param_state
 from scape.profiling import phase
@@ -279,6 +279,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
     @property
     def step_count(self) -> int:
         return self._step
+
+    @property
+    def shard_mesh(self) -> ShardMesh | None:
+        """The mesh DTensor parameters are sharded over (FSDP2's ``dp_shard``), None for
+        plain parameters (:mod:`scape.local_shards`)."""
+        return self._shard_mesh
 
     def attach(self, model: torch.nn.Module) -> _Handles:
         """Wait for the parameter all-gather just before ``model``'s next forward.
