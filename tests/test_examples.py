@@ -149,3 +149,23 @@ def test_tp_dp(tmp_path):
             same_dp_group = x["tp"] == y["tp"]  # the DP group: the ranks at one TP position
             assert (x["sharded"] == y["sharded"]) == same_dp_group, (x, y)
             assert x["replicated"] == y["replicated"], (x, y)
+
+
+def test_fsdp2(tmp_path):
+    """2 x 2 gloo ranks: the loss falls, every rank's full parameters are identical, a sparse
+    step sends the bytes of the formula on rank 0's local shard, and a run resumed from a DCP
+    checkpoint goes on with the uninterrupted run's losses."""
+    ck = str(tmp_path / "ckpt")
+    r = _torchrun("fsdp2.py", 4, tmp_path, "--steps", "24", "--warmup-steps", "8",
+                  "--ckpt", ck, "--save-at", "12")
+    assert (r["replicate"], r["shard"], r["world"]) == (2, 2, 2)  # SCAPE's world: replicas
+    _check_loss_falls(r, by=1.0)
+    _check_bytes(r)
+    assert len(set(r["digests"])) == 1, "the ranks' full parameters differ"
+    again = tmp_path / "again"
+    again.mkdir()
+    resumed = _torchrun("fsdp2.py", 4, again, "--steps", "24", "--warmup-steps", "8",
+                        "--ckpt", ck, "--resume")
+    assert resumed["start"] == 12
+    assert resumed["losses"] == r["losses"][12:]
+    assert resumed["digests"] == r["digests"]
