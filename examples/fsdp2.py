@@ -42,7 +42,8 @@ class Block(torch.nn.Module):
         super().__init__()
         self.heads = heads
         self.attn_norm, self.mlp_norm = torch.nn.RMSNorm(d), torch.nn.RMSNorm(d)
-        self.qkv, self.proj = torch.nn.Linear(d, 3 * d, bias=False), torch.nn.Linear(d, d, bias=False)
+        self.qkv = torch.nn.Linear(d, 3 * d, bias=False)
+        self.proj = torch.nn.Linear(d, d, bias=False)
         self.gate_up = torch.nn.Linear(d, 2 * 4 * d, bias=False)
         self.down = torch.nn.Linear(4 * d, d, bias=False)
 

@@ -277,7 +277,7 @@ def torch_state_dict(opt: ShardedState, bucket_extras: list[dict[str, torch.Tens
         if mesh is not None:
             info["tail"] = b.n_pad - b.numel
         mine["buckets"].append(info)
-    everyone = [mine]
+    everyone: list[Any] = [mine]
     if mesh is not None:  # every shard's layout, the same list on every rank
         everyone = [None] * mesh.mesh.size(0)
         dist.all_gather_object(everyone, mine, group=mesh.groups[0])
@@ -384,9 +384,11 @@ def _this_shard(opt: ShardedState, info: dict[str, Any]) -> dict[str, Any]:
     of DTensor parameters records every shard's); ``ValueError`` if the model is sharded
     into another number of parts than when it was saved, or only one of the two is."""
     mesh = getattr(opt, "shard_mesh", None)
-    saved = info.get("shard_buckets")
+    saved: Any = info.get("shard_buckets")
     if saved is not None:
         saved = _unblob(saved, "the shards' layout")
+        if not isinstance(saved, list):
+            raise ValueError(f"the shards' layout: expected a list, got {type(saved).__name__}")
     if (saved is None) != (mesh is None):
         how = ("DTensor parameters (FSDP2)", "plain parameters")
         raise ValueError(f"the state dict was saved with {how[saved is None]} and the "
