@@ -28,6 +28,12 @@ NCCL ring (``bench.projection.ring_time``: baseLat + (n-1)*hwLat + bytes*(n-1)/n
 on its level; SCAPE's mask all-gather (2K bytes) hides behind the next step's compute on the
 slow level (flat: all of it; hierarchical: the inter-node half, the node half is waited).
 
+A second table models a model too big for one GPU, sharded by FSDP2 inside the node (its
+forward and backward weight all-gathers and gradient reduce-scatter, ``N*(2*b_p + b_g)`` per
+rank inside), across nodes either FSDP2's HSDP (an all-reduce of the rank's slice, ``2*(N/G)*b_g``)
+or SCAPE over ``dp_replicate`` on the local shard (``K_loc*(b_g+b_p+2) + 8``, ``K_loc`` of the
+shard ``N/G`` on R ranks): Llama-1.8B and an 8B Llama (``FSDP2_MODELS``).
+
 Every assumption is in ``ASSUMPTIONS`` (printed by ``--assumptions``, kept in the JSON).
 
     python -m bench.projection_levels [--out bench/results/projection_levels.json]
@@ -81,6 +87,18 @@ LABELS = {"dense_hsdp": "dense sharded AdamS (HSDP)", "zeropp": "ZeRO++ (publish
 COLORS = {"dense_hsdp": "C0", "zeropp": "C1", "flat_scape": "C3", "flat_scape_ring": "C4",
           "hier_scape": "C2"}
 
+FSDP2_METHODS = ("fsdp2_hsdp", "fsdp2_scape")
+FSDP2_LABELS = {"fsdp2_hsdp": "FSDP2 HSDP (dense all-reduce across)",
+                "fsdp2_scape": "FSDP2 inside, SCAPE-{s} across"}
+FSDP2_MODELS = {
+    "Llama-1.8B": pj.MODELS["Llama-1.8B"],
+    "Llama-8B": pj.ModelConfig(
+        "Llama-8B", 4096, 32, 32, 14336, 128256, 8192, gated_mlp=True, tied=False,
+        learned_pos=False, bias=False,
+        note="Llama-3-8B's shape counted without grouped KV heads (8.8B; the real model, "
+             "with 8 KV heads, has 8.0B)"),
+}
+
 ASSUMPTIONS: dict[str, Any] = {
     "model": f"{MODEL} from bench.projection.MODELS (N counted from its config)",
     "cluster": f"R nodes of G={PER_NODE} GPUs; one NIC per node at 100 or 400 Gbit/s "
@@ -118,6 +136,12 @@ ASSUMPTIONS: dict[str, Any] = {
     "steps": "steady-state sparse steps only (dense warm-up, dense_every, eval, checkpoints "
              "not modelled)",
     "G_equals_1": "nothing moves inside a node: intra bytes and time are 0",
+    "fsdp2": "FSDP2 (reshard after forward) inside the node: weight all-gathers in forward and "
+             "backward and a gradient reduce-scatter, N*(2*b_p + b_g) per rank, the same for "
+             "both FSDP2 rows; across nodes HSDP all-reduces the rank's slice of the gradient "
+             "(2*(N/G)*b_g), SCAPE sends K_loc*(b_g+b_p+2) + 8 per rank with K_loc the mask "
+             "size of the local shard N/G on R ranks; SCAPE's mask all-gather hides behind "
+             "compute as above; FSDP2's prefetch overlap not modelled (the same for both)",
     "zeropp_paper": {"source": ZEROPP_SOURCE, **ZEROPP},
     "zeropp_from_paper": "the paper's numbers: ZeRO-3 3M -> ZeRO++ 0.75M cross-node per step, "
                          "split as weights M -> 0.5M (qwZ), backward weights M -> 0 (hpZ), "
@@ -218,6 +242,53 @@ def step_time(method: str, n: int, cl: Cluster, sparsity: float = 0.99,
             "step_s": t_c + intra + inter + exposed}
 
 
+def fsdp2_step(method: str, n: int, cl: Cluster, sparsity: float = 0.99,
+               tokens_per_gpu: int = TOKENS_PER_GPU, block_size: int = 4096) -> dict[str, float]:
+    """Bytes (per rank inside and across, per node across) and seconds of one step of a model
+    sharded by FSDP2 inside each node, with HSDP or SCAPE across (module docstring)."""
+    g, r = cl.per_node, cl.nodes
+    lo, hi = cl.intra(), cl.inter_shared()
+    b_g, b_p = GRAD_BYTES, PARAM_BYTES
+    ring = pj.ring_time
+    t_c = pj.compute_time(n, tokens_per_gpu, lo)
+    shard = math.ceil(n / g)
+    intra_b = n * (2 * b_p + b_g) if g > 1 else 0
+    intra = 2 * ring(n * b_p, g, lo) + ring(n * b_g, g, lo)
+    exposed = 0.0
+    if method == "fsdp2_hsdp":
+        inter_b = 2 * shard * b_g
+        inter = 2 * ring(shard * b_g, r, hi)
+    elif method == "fsdp2_scape":
+        k = pj.mask_size(shard, r, sparsity, block_size)
+        inter_b = k * (b_g + b_p + MASK_BYTES) + SCALAR_BYTES
+        inter = ring(k * b_g, r, hi) + ring(k * b_p, r, hi)
+        exposed = max(0.0, ring(k * MASK_BYTES, r, hi) - t_c)
+    else:
+        raise ValueError(f"method must be one of {FSDP2_METHODS}, got {method!r}")
+    return {"compute_s": t_c, "intra_s": intra, "inter_s": inter, "mask_exposed_s": exposed,
+            "step_s": t_c + intra + inter + exposed, "intra_bytes_per_rank": intra_b,
+            "inter_bytes_per_rank": inter_b, "inter_bytes_per_node": g * inter_b}
+
+
+def fsdp2_rows(worlds: tuple[int, ...], links: tuple[str, ...], sparsity: float = 0.99,
+               per_node: int = PER_NODE) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    for model, cfg in FSDP2_MODELS.items():
+        n = cfg.n_params()
+        for link in links:
+            for w in worlds:
+                cl = Cluster(w // per_node, per_node, pj.LINKS_GBPS[link])
+                base = fsdp2_step("fsdp2_hsdp", n, cl)["step_s"]
+                for method in FSDP2_METHODS:
+                    s = sparsity if method == "fsdp2_scape" else 0.0
+                    t = fsdp2_step(method, n, cl, s)
+                    out.append({"model": model, "n_params": n, "method": method,
+                                "label": FSDP2_LABELS[method].format(s=s), "sparsity": s,
+                                "link": link, "world": w, "nodes": cl.nodes, **t,
+                                "speedup_vs_hsdp": base / t["step_s"]})
+    return out
+
+
 def rows(worlds: tuple[int, ...], links: tuple[str, ...], sparsities: tuple[float, ...],
          per_node: int = PER_NODE, model: str = MODEL) -> list[dict[str, Any]]:
     n = pj.MODELS[model].n_params()
@@ -245,7 +316,9 @@ def report(smoke: bool = False) -> dict[str, Any]:
     return {"schema": "scape.projection_levels/1", "assumptions": ASSUMPTIONS,
             "model": {**dataclasses.asdict(m), "n_params": m.n_params()},
             "per_node": PER_NODE, "table_worlds": list(TABLE_WORLDS),
-            "rows": rows(worlds, links, (0.9, 0.99))}
+            "rows": rows(worlds, links, (0.9, 0.99)),
+            "fsdp2_rows": fsdp2_rows(tuple(w for w in TABLE_WORLDS if w in worlds) or worlds,
+                                     links)}
 
 
 def _name(r: dict[str, Any]) -> str:
@@ -264,6 +337,8 @@ def print_report(rep: dict[str, Any], file: TextIO | None = None) -> None:
           f"{r['intra_s'] * 1e3:8.1f} {r['inter_s'] * 1e3:8.1f}")
     p("\nNIC bytes per node per step, then step time (speed-up over dense HSDP):\n")
     p(markdown(rep))
+    p("\nFSDP2 inside the node; step time (speed-up over FSDP2 HSDP), NIC bytes per node:\n")
+    p(markdown_fsdp2(rep))
 
 
 def markdown(rep: dict[str, Any]) -> str:
@@ -284,6 +359,22 @@ def markdown(rep: dict[str, Any]) -> str:
             rs = [cell[name, link, w] for w in worlds]
             out.append(f"| {name} | {link} | " + " | ".join(
                 f"{r['step_s'] * 1e3:.1f} ms ({r['speedup_vs_hsdp']:.2f}×)" for r in rs) + " |")
+    return "\n".join(out)
+
+
+def markdown_fsdp2(rep: dict[str, Any]) -> str:
+    """The FSDP2 table of docs/benchmarks.md, from the JSON."""
+    fr = rep.get("fsdp2_rows", [])
+    worlds = sorted({r["world"] for r in fr})
+    head = " | ".join(f"W={w:,}" for w in worlds)
+    out = [f"| model | link | method | {head} |", "|---|---|---" + "|---" * len(worlds) + "|"]
+    keys = list(dict.fromkeys((r["model"], r["link"], r["label"]) for r in fr))
+    cell = {(r["model"], r["link"], r["label"], r["world"]): r for r in fr}
+    for model, link, label in keys:
+        rs = [cell[model, link, label, w] for w in worlds]
+        out.append(f"| {model} | {link} | {label} | " + " | ".join(
+            f"{r['step_s'] * 1e3:.0f} ms ({r['speedup_vs_hsdp']:.2f}×), "
+            f"{r['inter_bytes_per_node'] / 1e6:,.0f} MB" for r in rs) + " |")
     return "\n".join(out)
 
 

@@ -127,3 +127,40 @@ def test_smoke_cli_writes_the_json_the_docs_use(tmp_path, capsys):
     assert "hierarchical SCAPE-0.99" in capsys.readouterr().out
     pl.main(["--assumptions"])
     assert "zeropp_from_paper" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("model", sorted(pl.FSDP2_MODELS))
+@pytest.mark.parametrize("nodes, per_node", [(8, 8), (32, 8), (3, 4)])
+def test_fsdp2_rows_bytes_match_the_formula_on_the_local_shard(model, nodes, per_node):
+    """FSDP2 inside (both rows move the same bytes there); across, HSDP all-reduces the
+    rank's slice and SCAPE sends the flat formula on the local shard N/G over R ranks."""
+    n = pl.FSDP2_MODELS[model].n_params()
+    cl = pl.Cluster(nodes, per_node, pj.LINKS_GBPS["100G"])
+    hsdp = pl.fsdp2_step("fsdp2_hsdp", n, cl)
+    scape = pl.fsdp2_step("fsdp2_scape", n, cl, 0.99)
+    assert hsdp["intra_bytes_per_rank"] == scape["intra_bytes_per_rank"] == n * (2 + 2 + 2)
+    shard = -(-n // per_node)
+    assert hsdp["inter_bytes_per_rank"] == 2 * shard * 2
+    _, k = _design_k(shard, nodes, 0.99)
+    assert scape["inter_bytes_per_rank"] == k * (2 + 2 + 2) + 8
+    assert scape["inter_bytes_per_node"] == per_node * scape["inter_bytes_per_rank"]
+    # bf16 on the wire: about 1/66.7 of HSDP's bytes across at 0.99 (padding adds a little)
+    ratio = hsdp["inter_bytes_per_node"] / scape["inter_bytes_per_node"]
+    assert 60 < ratio < 4 / (0.01 * 6) + 1e-9
+    for t in (hsdp, scape):
+        parts = t["compute_s"] + t["intra_s"] + t["inter_s"] + t["mask_exposed_s"]
+        assert t["step_s"] == pytest.approx(parts)
+    assert scape["step_s"] < hsdp["step_s"]
+
+
+def test_fsdp2_rows_in_the_report():
+    rep = pl.report()
+    fr = rep["fsdp2_rows"]
+    assert {r["model"] for r in fr} == set(pl.FSDP2_MODELS)
+    assert {r["world"] for r in fr} == set(pl.TABLE_WORLDS)
+    assert {r["link"] for r in fr} == set(pl.NIC_LINKS)
+    for r in fr:
+        if r["method"] == "fsdp2_hsdp":
+            assert r["speedup_vs_hsdp"] == 1.0
+    table = pl.markdown_fsdp2(rep)
+    assert table.count("\n") == 1 + len(pl.FSDP2_MODELS) * len(pl.NIC_LINKS) * 2
