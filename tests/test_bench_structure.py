@@ -320,6 +320,57 @@ def test_no_import_cycle_across_library_and_benchmarks():
     assert cycle is None, " -> ".join(cycle or [])
 
 
+ONE_WAY = ("bench", "scape", "kernels", "comm", "examples")
+"""The folders whose modules may not import the research (bench/research/ itself excepted)."""
+
+
+def research_importers(root: Path, folders: tuple[str, ...] = ONE_WAY) -> list[str]:
+    """``"path: imports bench.research..."`` for every module under ``folders`` (bench/research/
+    left out) that imports the research package or a module of it, at any depth: the research
+    reaches the engine, never the other way."""
+    bad = []
+    for folder in folders:
+        for path in sorted((root / folder).rglob("*.py")):
+            rel = path.relative_to(root)
+            if rel.parts[:2] == ("bench", "research") or "results" in rel.parts:
+                continue
+            parts = rel.with_suffix("").parts
+            module = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+            tree = ast.parse(path.read_text(), str(rel))
+            for target, names in _imports(tree, module, path.name == "__init__.py"):
+                heads = [target] + [f"{target}.{n}" for n in names]
+                if any(h == "bench.research" or h.startswith("bench.research.") for h in heads):
+                    bad.append(f"{rel}: imports {target}" + (f" ({', '.join(names)})"
+                                                            if names else ""))
+    return bad
+
+
+def test_nothing_outside_the_research_imports_it():
+    assert research_importers(ROOT) == []
+
+
+@pytest.mark.parametrize("text", [
+    "import bench.research.rules\n",
+    "from bench.research.drift import Drift\n",
+    "from bench import research\n",
+    "def f():\n    from bench.research import rows\n",
+    "from ..research import rows\n",
+])
+def test_a_planted_research_import_is_found(tmp_path, text):
+    _plant(tmp_path, {"bench/__init__.py": "", "bench/engine/__init__.py": "",
+                      "bench/engine/x.py": text,
+                      "bench/research/__init__.py": "import bench.engine.x\n"})
+    found = research_importers(tmp_path)
+    assert len(found) == 1 and found[0].startswith("bench/engine/x.py: imports bench"), found
+
+
+def test_research_may_import_the_engine(tmp_path):
+    _plant(tmp_path, {"bench/__init__.py": "", "bench/engine/__init__.py": "",
+                      "bench/engine/x.py": "import scape\n",
+                      "bench/research/__init__.py": "from bench.engine import x\n"})
+    assert research_importers(tmp_path) == []
+
+
 def test_bench_uses_only_the_public_library():
     assert library_uses(ROOT, BENCH) == []
 
