@@ -240,13 +240,12 @@ def test_warmup_steps_reach_the_sparse_rows_only():
 
 def test_a_rule_suffix_reaches_scape_rows_and_bad_ones_are_refused():
     wl = WORKLOADS["llama"]
-    cfg = make_config(wl, dict(COMMON, warmup_steps=2), "scape-0.9@catchup_agree_trust2_accum",
-                      600, 3e-4, 0, "x", 60.0)
+    cfg = make_config(wl, dict(COMMON, warmup_steps=2), "scape-0.9@early", 600, 3e-4, 0, "x",
+                      60.0)
     assert (cfg.optimizer, cfg.sparsity) == ("scape", 0.9)
-    assert cfg.optimizer_kwargs == {"warmup_steps": 2, "update": "catchup_agree_trust2_accum"}
-    assert parse_row("scape-0.99") == ("scape", 0.99, None, None, None, None, False)
-    assert parse_row("scape-0.99@robust-explore0.2") == ("scape", 0.99, "robust-explore0.2",
-                                                          None, None, None, False)
+    assert cfg.optimizer_kwargs == {"warmup_steps": 2, "update": "early"}
+    assert parse_row("scape-0.99") == ("scape", 0.99, None, None, None, None)
+    assert parse_row("scape-0.99@robust") == ("scape", 0.99, "robust", None, None, None)
     with pytest.raises(ValueError, match="unknown rule 'nope'.*auto"):
         parse_row("scape-0.99@nope")
     with pytest.raises(ValueError, match="scape rows only"):
@@ -261,7 +260,7 @@ def test_group_suffixes_split_the_one_group_and_keep_its_decay():
     from bench.engine.run_rank import make_groups
 
     assert parse_row("scape-0.99-embed0.9-head0.97@robust") == \
-        ("scape", 0.99, "robust", {"embed": 0.9, "head": 0.97}, None, None, False)
+        ("scape", 0.99, "robust", {"embed": 0.9, "head": 0.97}, None, None)
     cfg = make_config(WORKLOADS["llama"], COMMON, "scape-0.99-embed0.9-head0.97", 600, 3e-4, 0,
                       "x", 60.0)
     assert cfg.group_sparsity == {"embed": 0.9, "head": 0.97} and cfg.one_group
@@ -343,6 +342,9 @@ def test_a_follow_row_spends_the_same_bytes_while_the_lr_is_high(q):
         RunConfig(hooks={"bench.research.follow:Hook": {"q": 0.0}})
     with pytest.raises(ValueError, match="turn dense at the peak lr"):
         RunConfig(sparsity=0.3, hooks=hooks, steps=200)
+    # with the research loaded its rules and with_options' names pass too
+    assert parse_row("scape-0.99@robust-explore0.2").rule == "robust-explore0.2"
+    assert parse_row("scape-0.9@catchup_agree_trust2_accum").rule == "catchup_agree_trust2_accum"
     for bad, match in [("scape-0.99-follow0", "follow0"), ("scape-0.99-followx", "followx"),
                        ("topk-0.99-follow1", "scape rows")]:
         with pytest.raises(ValueError, match=match):
