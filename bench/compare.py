@@ -25,8 +25,7 @@ rate is measured before the leg and stored.
 
 Also accepted by ``--optimizers``: ``dist_adamw`` (scape.DistributedAdamW), any
 ``scape-<s>`` or ``topk-<s>``, ``scape-<s>-embed<e>`` (the embedding matrices, the tied
-head, in their own param group at ``e``, with the research's split rule
-``catchup_agree_trust2_accum``, registered by :mod:`bench.research.rules`), and the
+head, in their own param group at ``e``, the library's default rule), and the
 local-step rows ``sparseloco-h<H>-d<density>[-b<bits>]`` and ``diloco-h<H>``
 (:mod:`bench.engine.local_sgd_opts`; their bytes per step are the mean over all steps, and a
 ``steps`` that ``H`` does not divide prints a warning).
@@ -163,9 +162,7 @@ def make_configs(names: list[str], w: dict[str, Any], data: str | None, profile_
             kwargs["warmup_steps"] = warmup
         if is_local_name(name):
             kwargs = parse_local_name(name)[1]
-        emb = embed_sparsity(name)
-        if emb is not None:  # the split set by hand, as named, with the research's rule
-            kwargs["update"] = "catchup_agree_trust2_accum"
+        emb = embed_sparsity(name)  # the split set by hand, as named
         cfgs.append(RunConfig(
             optimizer=opt, sparsity=sp if opt != "adams" else 0.0, optimizer_kwargs=kwargs,
             group_sparsity=None if emb is None else {"embed": emb},

@@ -25,13 +25,12 @@ Every run is :func:`bench.engine.runner.run` on W=4 gloo ranks (global batch 16 
 (0.9, 0.95), validation loss on 128 fixed held-out windows). Optimizers (``--optimizers``):
 ``adams`` (dense sharded AdamS, the reference), ``scape-<s>``, ``topk-<s>`` (raw-gradient
 top-k, :mod:`bench.engine.topk_baseline`); ``scape-<s>@<rule>`` trains SCAPE with ``update=<rule>``,
-a built-in or research rule name (:mod:`bench.research.rules`); ``scape-<s>-embed<e>-head<h>``
+a built-in rule's name (or one a module registered); ``scape-<s>-embed<e>-head<h>``
 (either suffix alone too) puts the embedding matrices, the untied head, in param groups of
 their own at that sparsity, every group still decayed; ``-ramp<s0>x<n>`` (after those) ramps
 the sparsity from ``s0`` over the first ``n`` sparse steps (:func:`scape.sparsity_ramp`);
-``-follow<q>`` (last) makes the density after it follow ``(lr / peak)^q`` at the same mean;
-``-drift`` (after all) moves the unsent coordinates on every rank along their last catch-up's
-rate (:mod:`bench.research.drift`). The
+suffixes of :data:`ROW_HOOKS` (after those) add ``RunConfig.hooks`` entries (the research's
+``-follow<q>`` and ``-drift`` under ``python -m bench.research bench.lr_sweep``). The
 JSON (schema ``scape.lr_sweep/1``) is rewritten after every run; ``--resume`` keeps the runs of
 an earlier file with the same settings. ``--jobs N`` trains N runs at once, each rank on
 ``cpu_count // (N * W)`` threads (at least one): on a 2-core machine it gains nothing; on 16
@@ -112,11 +111,14 @@ class Row(NamedTuple):
     """Per-group sparsity (None: one group at ``sparsity``)."""
     ramp: tuple[float, int] | None
     """``(start, ramp_steps)`` of a sparsity ramp after the dense warm-up (None: none)."""
-    follow: float | None = None
-    """``-follow<q>``: the density follows ``(lr / peak)^q`` after the ramp, at the same mean
-    (:attr:`bench.engine.runner.RunConfig.sparsity_follows_lr`; None: not)."""
-    drift: bool = False
-    """``-drift``: :attr:`bench.engine.runner.RunConfig.drift`."""
+    hooks: dict[str, dict[str, Any]] | None = None
+    """``RunConfig.hooks`` entries of the :data:`ROW_HOOKS` suffixes (None: none)."""
+
+
+ROW_HOOKS: list[Callable[[str], dict[str, dict[str, Any]] | None]] = []
+"""Parsers of extra row suffixes, tried on the trailing parts of a row before the group and
+ramp suffixes: ``part -> RunConfig.hooks entries`` (None: not a suffix of that parser; a
+ValueError names what is wrong). A module that defines hooks appends one on import."""
 
 
 def parse_row(optimizer: str) -> Row:
@@ -128,18 +130,25 @@ def parse_row(optimizer: str) -> Row:
     base, at, rule = optimizer.partition("@")
     parts = base.split("-")
     groups: dict[str, float] = {}
-    ramp, follow = None, None
-    drift = len(parts) > 2 and parts[-1] == "drift"
-    if drift:
+    ramp = None
+    hooks: dict[str, dict[str, Any]] = {}
+    while len(parts) > 2:
+        found = None
+        for parse in ROW_HOOKS:
+            try:
+                found = parse(parts[-1])
+            except ValueError as e:
+                raise ValueError(f"--optimizers: {optimizer!r}: bad {parts[-1]!r}: {e}") \
+                    from None
+            if found is not None:
+                break
+        if found is None:
+            break
+        hooks = {**found, **hooks}
         parts.pop()
-    while len(parts) > 2 and parts[-1].startswith((*GROUP_SUFFIXES, "ramp", "follow")):
+    while len(parts) > 2 and parts[-1].startswith((*GROUP_SUFFIXES, "ramp")):
         part = parts.pop()
         try:
-            if part.startswith("follow"):
-                follow = float(part[len("follow"):])
-                if not 0.0 < follow <= 4.0:
-                    raise ValueError("the power must be in (0, 4]")
-                continue
             if part.startswith("ramp"):
                 start, _, steps = part[len("ramp"):].partition("x")
                 ramp = (float(start), int(steps))
@@ -151,27 +160,26 @@ def parse_row(optimizer: str) -> Row:
         except ValueError as e:
             raise ValueError(f"--optimizers: {optimizer!r}: bad {part!r}: {e}") from None
     opt, sparsity = parse_name("-".join(parts))
-    if (at or groups or ramp or follow or drift) and opt != "scape":
-        raise ValueError(f"--optimizers: {optimizer!r}: '@<rule>', '-<group><s>', '-ramp', "
-                         "'-follow' and '-drift' apply to scape rows only")
+    if (at or groups or ramp or hooks) and opt != "scape":
+        raise ValueError(f"--optimizers: {optimizer!r}: '@<rule>', '-<group><s>', '-ramp' "
+                         "and the hook suffixes apply to scape rows only")
     if at:
         try:
             check_rule(rule)
         except ValueError as e:
             raise ValueError(f"--optimizers: {optimizer!r}: {e}") from None
-    return Row(opt, sparsity, rule if at else None, groups or None, ramp, follow, drift)
+    return Row(opt, sparsity, rule if at else None, groups or None, ramp, hooks or None)
 
 
 def make_config(workload: dict[str, Any], common: dict[str, Any], optimizer: str, steps: int,
                 lr: float, seed: int, name: str, timeout_s: float) -> RunConfig:
-    opt, sparsity, rule, groups, ramp, follow, drift = parse_row(optimizer)
+    opt, sparsity, rule, groups, ramp, hooks = parse_row(optimizer)
     kwargs: dict[str, Any] = {} if common["warmup_steps"] is None or opt == "adams" else \
         {"warmup_steps": common["warmup_steps"]}
     if rule is not None:
         kwargs["update"] = rule
     return RunConfig(optimizer=opt, sparsity=sparsity, optimizer_kwargs=kwargs,
-                     group_sparsity=groups, sparsity_ramp=ramp, sparsity_follows_lr=follow,
-                     drift=drift,
+                     group_sparsity=groups, sparsity_ramp=ramp, hooks=hooks or {},
                      model=workload["model"], data=workload["data"], world=common["world"],
                      steps=steps, batch=common["batch"], seq=common["seq"], lr=lr,
                      weight_decay=common["weight_decay"], one_group=common["one_group"],

@@ -9,7 +9,8 @@ Target: SCAPE-0.99's local compute <= 1.3x dense sharded AdamS's on the same mod
 
     python -m bench.step_compute                      # model "base", W=4, 30 timed steps
     python -m bench.step_compute --smoke
-    python -m bench.step_compute --update catchup_agree_accum      # another sparse rule
+    python -m bench.step_compute --update sqrt        # another sparse rule
+    python -m bench.research bench.step_compute --update catchup_agree_accum   # a research one
     python -m bench.step_compute --groups             # two param groups (decay, no_decay)
     python -m bench.step_compute --device cuda --model medium --world 8   # on a GPU
 

@@ -240,13 +240,12 @@ def test_warmup_steps_reach_the_sparse_rows_only():
 
 def test_a_rule_suffix_reaches_scape_rows_and_bad_ones_are_refused():
     wl = WORKLOADS["llama"]
-    cfg = make_config(wl, dict(COMMON, warmup_steps=2), "scape-0.9@catchup_agree_trust2_accum",
-                      600, 3e-4, 0, "x", 60.0)
+    cfg = make_config(wl, dict(COMMON, warmup_steps=2), "scape-0.9@early", 600, 3e-4, 0, "x",
+                      60.0)
     assert (cfg.optimizer, cfg.sparsity) == ("scape", 0.9)
-    assert cfg.optimizer_kwargs == {"warmup_steps": 2, "update": "catchup_agree_trust2_accum"}
-    assert parse_row("scape-0.99") == ("scape", 0.99, None, None, None, None, False)
-    assert parse_row("scape-0.99@robust-explore0.2") == ("scape", 0.99, "robust-explore0.2",
-                                                          None, None, None, False)
+    assert cfg.optimizer_kwargs == {"warmup_steps": 2, "update": "early"}
+    assert parse_row("scape-0.99") == ("scape", 0.99, None, None, None, None)
+    assert parse_row("scape-0.99@robust") == ("scape", 0.99, "robust", None, None, None)
     with pytest.raises(ValueError, match="unknown rule 'nope'.*auto"):
         parse_row("scape-0.99@nope")
     with pytest.raises(ValueError, match="scape rows only"):
@@ -261,7 +260,7 @@ def test_group_suffixes_split_the_one_group_and_keep_its_decay():
     from bench.engine.run_rank import make_groups
 
     assert parse_row("scape-0.99-embed0.9-head0.97@robust") == \
-        ("scape", 0.99, "robust", {"embed": 0.9, "head": 0.97}, None, None, False)
+        ("scape", 0.99, "robust", {"embed": 0.9, "head": 0.97}, None, None)
     cfg = make_config(WORKLOADS["llama"], COMMON, "scape-0.99-embed0.9-head0.97", 600, 3e-4, 0,
                       "x", 60.0)
     assert cfg.group_sparsity == {"embed": 0.9, "head": 0.97} and cfg.one_group
@@ -279,18 +278,18 @@ def test_group_suffixes_split_the_one_group_and_keep_its_decay():
     for bad, match in [("adams-embed0.9", "bad sparsity"), ("scape-0.99-embed1.5", "embed"),
                        ("topk-0.99-head0.9", "scape rows only"),
                        ("scape-0.99-ramp1.5x20", "ramp1.5x20"),
-                       ("scape-0.99-ramp0.5", "ramp0.5"), ("topk-0.99-ramp0.5x2", "scape rows"),
-                       ("scape-0.99-follow0", "follow0"), ("scape-0.99-followx", "followx"),
-                       ("topk-0.99-follow1", "scape rows")]:
+                       ("scape-0.99-ramp0.5", "ramp0.5"), ("topk-0.99-ramp0.5x2", "scape rows")]:
         with pytest.raises(ValueError, match=match):
             parse_row(bad)
 
 
 @pytest.fixture(scope="module")
 def smoke_rows(tmp_path_factory) -> dict:
-    """One smoke sweep of the plain row beside its ramp, follow and drift rows, by optimizer."""
+    """One smoke sweep of the plain row beside its ramp, follow and drift rows, by optimizer
+    (the last two are the research's: the sweep runs under ``python -m bench.research``)."""
     out = tmp_path_factory.mktemp("rows") / "s.json"
-    proc = subprocess.run([sys.executable, "-m", "bench.lr_sweep", "--smoke", "--out", str(out),
+    proc = subprocess.run([sys.executable, "-m", "bench.research", "bench.lr_sweep", "--smoke",
+                           "--out", str(out),
                            "--workloads", "gpt", "--optimizers", "adams", "scape-0.9",
                            "scape-0.9-ramp0.5x2", "scape-0.9-follow1", "scape-0.9-drift",
                            "--lrs", "1e-3"],
@@ -315,32 +314,41 @@ def test_a_ramp_row_writes_the_sparsity_before_each_sparse_step(smoke_rows):
 
 @pytest.mark.parametrize("q", [0.5, 1.0, 2.0])
 def test_a_follow_row_spends_the_same_bytes_while_the_lr_is_high(q):
-    """``-follow<q>`` reaches ``RunConfig.sparsity_follows_lr``; the density after the ramp
-    follows ``(lr / peak)^q`` (largest at the peak, falling with the cosine) and its mean over
-    those steps is the row's own."""
-    from bench.engine.run_config import follow_density, follow_mean, lr_at
+    """``-follow<q>`` (the research's row suffix, :mod:`bench.research.follow`) reaches
+    ``RunConfig.hooks``; the density after the ramp follows ``(lr / peak)^q`` (largest at the
+    peak, falling with the cosine) and its mean over those steps is the row's own."""
+    from bench.engine.run_config import lr_at
+    from bench.research.follow import follow_density, follow_mean  # registers the suffixes
 
     row = f"scape-0.99-ramp0.5x20-follow{q:g}@early"
-    assert parse_row(row) == ("scape", 0.99, "early", None, (0.5, 20), q, False)
+    hooks = {"bench.research.follow:Hook": {"q": q}}
+    assert parse_row(row) == ("scape", 0.99, "early", None, (0.5, 20), hooks)
     cfg = make_config(WORKLOADS["gpt"], dict(COMMON, warmup_steps=1), row, 2000, 7e-4, 0, "x",
                       60.0)
-    assert cfg.sparsity_follows_lr == q and cfg.sparsity_ramp == (0.5, 20)
-    mean = follow_mean(cfg)
+    assert cfg.hooks == hooks and cfg.sparsity_ramp == (0.5, 20)
+    mean = follow_mean(cfg, q)
     first = cfg.warmup_steps + 20  # the first step the schedule sends: masks made one before
-    dens = [1.0 - follow_density(t - 1, cfg, 0.99, mean) for t in range(first, cfg.steps)]
+    dens = [1.0 - follow_density(t - 1, cfg, 0.99, mean, q) for t in range(first, cfg.steps)]
     assert sum(dens) / len(dens) == pytest.approx(0.01, rel=1e-9)
     lrs = [lr_at(t, cfg) for t in range(first, cfg.steps)]
     peak = lrs.index(max(lrs))
     assert max(dens) == dens[peak] > 0.01 > dens[-1] > 0.0
     assert all(a >= b for a, b in zip(dens[peak:], dens[peak + 1:]))  # the cosine: falling
     with pytest.raises(ValueError, match="density"):
-        follow_density(first + peak - 1, cfg, 0.1, mean)  # more than every coordinate
-    with pytest.raises(ValueError, match="sparsity_follows_lr applies to scape rows"):
-        RunConfig(optimizer="adams", sparsity_follows_lr=1.0)
+        follow_density(first + peak - 1, cfg, 0.1, mean, q)  # more than every coordinate
+    with pytest.raises(ValueError, match="follow applies to scape rows"):
+        RunConfig(optimizer="adams", hooks=hooks)
     with pytest.raises(ValueError, match=r"power in \(0, 4\]"):
-        RunConfig(sparsity_follows_lr=0.0)
+        RunConfig(hooks={"bench.research.follow:Hook": {"q": 0.0}})
     with pytest.raises(ValueError, match="turn dense at the peak lr"):
-        RunConfig(sparsity=0.3, sparsity_follows_lr=1.0, steps=200)
+        RunConfig(sparsity=0.3, hooks=hooks, steps=200)
+    # with the research loaded its rules and with_options' names pass too
+    assert parse_row("scape-0.99@robust-explore0.2").rule == "robust-explore0.2"
+    assert parse_row("scape-0.9@catchup_agree_trust2_accum").rule == "catchup_agree_trust2_accum"
+    for bad, match in [("scape-0.99-follow0", "follow0"), ("scape-0.99-followx", "followx"),
+                       ("topk-0.99-follow1", "scape rows")]:
+        with pytest.raises(ValueError, match=match):
+            parse_row(bad)
 
 
 def test_a_follow_row_reaches_the_ranks(smoke_rows):
@@ -362,4 +370,4 @@ def test_a_drift_row_reaches_the_ranks(smoke_rows):
     assert drift["final_val_loss"] != plain["final_val_loss"]
     assert drift["ranks_agree"] and plain["ranks_agree"]
     with pytest.raises(ValueError, match="drift applies to scape rows"):
-        RunConfig(optimizer="adams", drift=True)
+        RunConfig(optimizer="adams", hooks={"bench.research.drift:hook": {}})

@@ -1,5 +1,6 @@
-"""bench.engine.optimizers: the one table the benchmarks build their optimizers from, the research
-rule names it takes, and the keyword arguments it refuses with what replaces them."""
+"""bench.engine.optimizers: the one table the benchmarks build their optimizers from, the rule
+names it takes once a module registered them, and the keyword arguments it refuses with what
+replaces them."""
 
 from __future__ import annotations
 
@@ -71,18 +72,28 @@ def test_removed_keywords_are_refused_with_the_replacement(key):
         check_kwargs("scape", {key: 0.2})
     with pytest.raises(ValueError, match="RunConfig.optimizer_kwargs") as info:
         RunConfig(optimizer="scape", optimizer_kwargs={key: 0.2})
-    assert ("with_options" in str(info.value)) == (key in ("explore", "error_feedback"))
+    assert ("register a rule" in str(info.value)) == (key in ("explore", "error_feedback"))
     check_kwargs("sparseloco", {"sync_every": 2})  # other optimizers' own keywords pass
     with pytest.raises(ValueError, match="unknown optimizer 'sgd'"):
         check_kwargs("sgd", {})
 
 
 def test_research_rule_names_build_in_a_fresh_process():
-    """A rank of the runner never called ``with_options``: the registry rebuilds such a rule
-    from its name, and takes every research rule by name."""
+    """A rank of the runner never called ``with_options``: once ``bench.research`` is imported
+    (a ``RunConfig.imports`` entry), the names it added to ``RULE_NAMES`` rebuild such a rule
+    from its name, and every research rule is taken by name; the table alone knows neither."""
     code = (
         "import torch\n"
-        "from bench.engine.optimizers import Spec, build\n"
+        "from bench.engine.optimizers import Spec, build, check_rule\n"
+        "import scape\n"
+        "assert 'catchup_snr_accum' not in scape.rules.RULES\n"
+        "try:\n"
+        "    check_rule('catchup_snr_accum')\n"
+        "except ValueError:\n"
+        "    pass\n"
+        "else:\n"
+        "    raise AssertionError('a research rule without the research')\n"
+        "import bench.research\n"
         "p = [torch.nn.Parameter(torch.zeros(4096))]\n"
         "for update in ('catchup_agree_trust2_accum-explore0.2-noef', 'catchup_snr_accum'):\n"
         "    opt = build('scape', p, Spec(lr=1e-3, sparsity=0.9, kwargs={'update': update}))\n"

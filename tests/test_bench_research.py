@@ -20,7 +20,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def _run(module: str, out: str, *extra: str) -> dict:
     env = dict(os.environ, PYTHONPATH=ROOT)
-    proc = subprocess.run([sys.executable, "-m", module, "--smoke", "--out", out, *extra],
+    job = module.split()  # "bench.research bench.step_compute": a job run with the research
+    proc = subprocess.run([sys.executable, "-m", *job, "--smoke", "--out", out, *extra],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     with open(out) as f:
@@ -28,7 +29,7 @@ def _run(module: str, out: str, *extra: str) -> dict:
 
 
 def test_convergence_smoke(tmp_path):
-    rep = _run("bench.convergence", str(tmp_path / "c.json"), "--check-world", "2")
+    rep = _run("bench.research.convergence", str(tmp_path / "c.json"), "--check-world", "2")
     assert rep["schema"] == "scape.convergence/1"
     # where it ran: the Python (whose stdlib is the corpus), torch, cores, the revision
     env = rep["environment"]
@@ -53,8 +54,8 @@ def test_convergence_group_sparsity_rows(tmp_path):
     from bench.workloads.gpt import GPT, get_config
 
     names = ["catchup_sqrt_accum-embed0", "catchup_sqrt_accum-vec0"]
-    rep = _run("bench.convergence", str(tmp_path / "g.json"), "--lr", "0.003", "--no-dense",
-               "--check-world", "2", "--variants", *names)
+    rep = _run("bench.research.convergence", str(tmp_path / "g.json"), "--lr", "0.003",
+               "--no-dense", "--check-world", "2", "--variants", *names)
     sent = {r["variant"]["name"].split("@")[0]: sum(r["bytes_last_step"].values())
             for r in rep["results"]}
     assert set(sent) == set(names)
@@ -74,8 +75,8 @@ def test_convergence_transform_rows(tmp_path):
     row, a different trajectory; the world check runs on the plain row (the runner does not
     rotate)."""
     names = ["catchup_sqrt_accum", "catchup_sqrt_accum-dct64"]
-    rep = _run("bench.convergence", str(tmp_path / "t.json"), "--lr", "0.003", "--no-dense",
-               "--check-world", "2", "--variants", *names)
+    rep = _run("bench.research.convergence", str(tmp_path / "t.json"), "--lr", "0.003",
+               "--no-dense", "--check-world", "2", "--variants", *names)
     rows = {r["variant"]["name"].split("@")[0]: r for r in rep["results"]}
     assert set(rows) == set(names)
     plain, dct = rows["catchup_sqrt_accum"], rows["catchup_sqrt_accum-dct64"]
@@ -91,8 +92,8 @@ def test_convergence_rows_on_ranks(tmp_path):
     read each rank's own gradient, run there too and send the same bytes."""
     names = ["catchup_sqrt_accum", "catchup_agree_trust2_gain"]
     args = ("--lr", "0.003", "--no-dense", "--variants", *names)
-    ranks = _run("bench.convergence", str(tmp_path / "r.json"), "--ranks", "2", *args)
-    one = _run("bench.convergence", str(tmp_path / "o.json"), *args)
+    ranks = _run("bench.research.convergence", str(tmp_path / "r.json"), "--ranks", "2", *args)
+    one = _run("bench.research.convergence", str(tmp_path / "o.json"), *args)
     by = {r["variant"]["name"]: r for r in one["results"]}
     for r in ranks["results"]:
         assert r["world"] == 2 and math.isfinite(r["final_val_loss"])
@@ -108,10 +109,11 @@ def test_convergence_no_dense_leaves_ratios_to_the_table(tmp_path):
     """--no-dense (a dense run going on in parallel): no dense row, no ratio recorded; the
     table refuses the file without --dense-loss and fills the ratios in with it, or with the
     dense row of the same workload from another file; the gap plot is written."""
-    from bench.convergence import plot_gap, table
+    from bench.research.convergence import plot_gap, table
 
     out = str(tmp_path / "c.json")
-    rep = _run("bench.convergence", out, "--lr", "0.003", "--no-dense", "--variants", "lazy")
+    rep = _run("bench.research.convergence", out, "--lr", "0.003", "--no-dense", "--variants",
+               "lazy")
     assert [r["variant"]["name"] for r in rep["results"]] == ["lazy@0.9"]
     assert rep["dense_val_loss"] is None and rep["results"][0]["ratio_to_dense"] is None
     with pytest.raises(ValueError, match="--no-dense"):
@@ -120,14 +122,14 @@ def test_convergence_no_dense_leaves_ratios_to_the_table(tmp_path):
     assert f"| {loss:.4f} | {loss / 2.5:.3f} |" in table([out], 2.5)
     # or from the dense row of the same workload in another file (a parallel dense run)
     dense_out = str(tmp_path / "d.json")
-    dense = _run("bench.convergence", dense_out, "--variants", "none")["results"][0]
+    dense = _run("bench.research.convergence", dense_out, "--variants", "none")["results"][0]
     assert dense["variant"]["name"].startswith("dense-adams")
     ratio = loss / dense["final_val_loss"]
     assert f"| {loss:.4f} | {ratio:.3f} |" in table([out, dense_out])
     assert not plot_gap([out, dense_out], str(tmp_path / "gap.png"))  # one length only
     # a dense run of another seed is another workload: no ratio from it
     seed1 = str(tmp_path / "s1.json")
-    assert _run("bench.convergence", seed1, "--lr", "0.003", "--no-dense", "--variants",
+    assert _run("bench.research.convergence", seed1, "--lr", "0.003", "--no-dense", "--variants",
                 "lazy", "--seed", "1")["workload"]["seed"] == 1
     with pytest.raises(ValueError, match="--no-dense"):
         table([seed1, dense_out])
@@ -136,7 +138,7 @@ def test_convergence_no_dense_leaves_ratios_to_the_table(tmp_path):
 def test_gap_plot_needs_two_lengths(tmp_path):
     """A rule measured at 400 and 2,000 steps is a series of the gap plot; a rule measured at
     one length is not (ratios from the dense row of the same workload)."""
-    from bench.convergence import SCHEMA, gap_series, plot_gap
+    from bench.research.convergence import SCHEMA, gap_series, plot_gap
 
     def report(steps, rows):
         path = tmp_path / f"r{steps}.json"
@@ -163,10 +165,10 @@ def test_convergence_local_step_row_smoke(tmp_path):
     """One SparseLoCo row on 2 gloo ranks beside the single-process dense row; its bytes per
     step are README's formula (record bytes * W / H) and the dense reference is what a real
     dense sharded AdamS step of this model counts at W=2."""
-    from bench.convergence import table
+    from bench.research.convergence import table
     from bench.workloads.gpt import GPT, get_config, param_groups
 
-    rep = _run("bench.convergence", str(tmp_path / "c.json"), "--variants", "none",
+    rep = _run("bench.research.convergence", str(tmp_path / "c.json"), "--variants", "none",
                "--local", "sparseloco-h3-d0.03", "--adamw-reference")
     assert rep["schema"] == "scape.convergence/1" and rep["warnings"] == []
     dense, adamw, local = rep["results"]
@@ -245,11 +247,11 @@ def test_step_compute_groups(tmp_path):
 
 
 def test_step_compute_update_option(tmp_path):
-    """``--update`` takes a built-in rule or a research rule by name (the registry registers
-    them in the benchmark's process)."""
+    """``--update`` takes a built-in rule by name, and a research rule's under ``python -m
+    bench.research`` (which registers them in the benchmark's process)."""
     rep = _run("bench.step_compute", str(tmp_path / "s.json"), "--update", "lazy")
     assert rep["update"] == "lazy" and not rep["rows"][2]["dense_step"]
-    research = _run("bench.step_compute", str(tmp_path / "r.json"), "--update",
+    research = _run("bench.research bench.step_compute", str(tmp_path / "r.json"), "--update",
                     "catchup_agree_accum")
     assert research["update"] == "catchup_agree_accum"
     # the rule changes the owner's update, not what is sent
@@ -291,7 +293,7 @@ def test_null_communicator(world, rank):
 def test_lr_stability_table(capsys):
     """One lr, one rule and the dense column: a markdown row per sparsity, losses finite and
     the dense cell the same in both rows (sparsity does not apply to it)."""
-    from bench.lr_stability import main
+    from bench.research.lr_stability import main
 
     assert main(["--lrs", "0.003", "--rules", "lazy", "--dense"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
@@ -309,7 +311,7 @@ def test_convergence_ramp_rows():
     """A ``-ramp`` row changes every sparse group's sparsity per step: it sends more bytes per
     sparse step than the same row without it, the same once the ramp is over; on ranks it is
     the runner's ramp over the same share of the run."""
-    from bench.convergence import Workload, run_config, train
+    from bench.research.convergence import Workload, run_config, train
     from bench.research.rows import variants
     from bench.workloads.data import load_corpus
 
@@ -347,7 +349,7 @@ def test_convergence_auto_rows():
     ``-autog``): every group measured at the first sparse step and every ``every`` after, the
     groups that read higher denser, the coordinates per step those of every group at the row's
     sparsity, a floor kept where set; the runner refuses it."""
-    from bench.convergence import Workload, run_config, train
+    from bench.research.convergence import Workload, run_config, train
     from bench.research.rows import variants
     from bench.workloads.data import load_corpus
 
@@ -420,7 +422,7 @@ def test_convergence_rows_use_the_lean_optimizer():
 def test_convergence_trust_lr_row_with_the_gain_split():
     """``-autog1-trustlr``: the bound follows the lr from c = 1/2 at the peak towards 1/4 while
     the Allotment splits by gain; it moves the run, and the runner refuses it."""
-    from bench.convergence import Workload, run_config, train
+    from bench.research.convergence import Workload, run_config, train
     from bench.workloads.data import load_corpus
 
     w = Workload(model="tiny", steps=14, batch=4, seq=64, eval_every=14, eval_seqs=4, threads=1)

@@ -78,10 +78,12 @@ def _imports(tree: ast.AST, module: str, is_package: bool) -> list[tuple[str, li
 
 def import_graph(root: Path, packages: tuple[str, ...]) -> dict[str, set[str]]:
     """Module -> the modules of ``packages`` it imports (``from pkg import mod`` counts as an
-    import of ``pkg.mod``; importing ``a.b.c`` imports the packages ``a`` and ``a.b`` too)."""
+    import of ``pkg.mod``; importing ``a.b.c`` imports the packages ``a`` and ``a.b`` too,
+    except those that contain the importer: their ``__init__`` has run before it)."""
     mods = _modules(root, packages)
     graph: dict[str, set[str]] = {m: set() for m in mods}
     for name, path in mods.items():
+        own = {".".join(name.split(".")[:i]) for i in range(1, name.count(".") + 1)}
         tree = ast.parse(path.read_text(), str(path))
         for target, names in _imports(tree, name, path.name == "__init__.py"):
             heads = [f"{target}.{n}" for n in names if f"{target}.{n}" in mods] or [target]
@@ -89,7 +91,7 @@ def import_graph(root: Path, packages: tuple[str, ...]) -> dict[str, set[str]]:
                 parts = head.split(".")
                 for i in range(1, len(parts) + 1):
                     dep = ".".join(parts[:i])
-                    if dep in mods and dep != name:
+                    if dep in mods and dep != name and (dep not in own or dep == head):
                         graph[name].add(dep)
     return graph
 
@@ -300,7 +302,7 @@ def test_bench_top_level_holds_the_jobs_and_folders_hold_the_parts():
 def test_bench_has_no_import_cycle():
     graph = import_graph(ROOT, BENCH)
     assert {"bench.engine.runner", "bench.engine.optimizers", "bench.research.rules"} <= set(graph)
-    assert "bench.research.rules" in graph["bench.engine.optimizers"]  # the one registration
+    assert "bench.engine.optimizers" in graph["bench.research.rules"]  # research -> engine
     assert find_cycle(graph) is None, " -> ".join(find_cycle(graph) or [])
 
 
@@ -320,6 +322,57 @@ def test_no_import_cycle_across_library_and_benchmarks():
     assert cycle is None, " -> ".join(cycle or [])
 
 
+ONE_WAY = ("bench", "scape", "kernels", "comm", "examples")
+"""The folders whose modules may not import the research (bench/research/ itself excepted)."""
+
+
+def research_importers(root: Path, folders: tuple[str, ...] = ONE_WAY) -> list[str]:
+    """``"path: imports bench.research..."`` for every module under ``folders`` (bench/research/
+    left out) that imports the research package or a module of it, at any depth: the research
+    reaches the engine, never the other way."""
+    bad = []
+    for folder in folders:
+        for path in sorted((root / folder).rglob("*.py")):
+            rel = path.relative_to(root)
+            if rel.parts[:2] == ("bench", "research") or "results" in rel.parts:
+                continue
+            parts = rel.with_suffix("").parts
+            module = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+            tree = ast.parse(path.read_text(), str(rel))
+            for target, names in _imports(tree, module, path.name == "__init__.py"):
+                heads = [target] + [f"{target}.{n}" for n in names]
+                if any(h == "bench.research" or h.startswith("bench.research.") for h in heads):
+                    bad.append(f"{rel}: imports {target}" + (f" ({', '.join(names)})"
+                                                            if names else ""))
+    return bad
+
+
+def test_nothing_outside_the_research_imports_it():
+    assert research_importers(ROOT) == []
+
+
+@pytest.mark.parametrize("text", [
+    "import bench.research.rules\n",
+    "from bench.research.drift import Drift\n",
+    "from bench import research\n",
+    "def f():\n    from bench.research import rows\n",
+    "from ..research import rows\n",
+])
+def test_a_planted_research_import_is_found(tmp_path, text):
+    _plant(tmp_path, {"bench/__init__.py": "", "bench/engine/__init__.py": "",
+                      "bench/engine/x.py": text,
+                      "bench/research/__init__.py": "import bench.engine.x\n"})
+    found = research_importers(tmp_path)
+    assert len(found) == 1 and found[0].startswith("bench/engine/x.py: imports bench"), found
+
+
+def test_research_may_import_the_engine(tmp_path):
+    _plant(tmp_path, {"bench/__init__.py": "", "bench/engine/__init__.py": "",
+                      "bench/engine/x.py": "import scape\n",
+                      "bench/research/__init__.py": "from bench.engine import x\n"})
+    assert research_importers(tmp_path) == []
+
+
 def test_bench_uses_only_the_public_library():
     assert library_uses(ROOT, BENCH) == []
 
@@ -329,14 +382,15 @@ def test_library_knows_nothing_of_the_benchmarks():
 
 
 def test_one_place_registers_the_research_rules():
-    """Only the optimizer table (and the research package itself) imports the research
-    rules; every entry point that takes rule names builds through it."""
+    """Only the research package imports its rules: ``import bench.research`` registers them
+    (and the research's engine hooks); every entry point that takes rule names builds through
+    the optimizer table, which names no research module."""
     graph = import_graph(ROOT, BENCH)
     importers = {m for m, deps in graph.items() if "bench.research.rules" in deps}
-    assert {m for m in importers if not m.startswith("bench.research")} == \
-        {"bench.engine.optimizers"}
-    for entry in ("bench.engine.run_rank", "bench.convergence_train", "bench.step_compute",
-                  "bench.lr_stability", "bench.compare"):
+    assert importers and all(m.startswith("bench.research") for m in importers), importers
+    assert "bench.research.rules" in graph["bench.research"]
+    for entry in ("bench.engine.run_rank", "bench.research.convergence_train",
+                  "bench.step_compute", "bench.research.lr_stability", "bench.compare"):
         reach, todo = set(), [entry]
         while todo:
             for dep in graph[todo.pop()] - reach:

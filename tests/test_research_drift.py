@@ -81,7 +81,7 @@ def test_each_coordinate_follows_its_last_rate():
 
 def test_the_row_suffix():
     assert parse_row("scape-0.9-ramp0.5x20-drift@early") == (
-        "scape", 0.9, "early", None, (0.5, 20), None, True)
-    assert not parse_row("scape-0.9@early").drift
+        "scape", 0.9, "early", None, (0.5, 20), {"bench.research.drift:hook": {}})
+    assert parse_row("scape-0.9@early").hooks is None
     with pytest.raises(ValueError, match="scape rows only"):
         parse_row("topk-0.9-drift")

@@ -15,7 +15,7 @@ period when ``steps`` is a multiple of every ``H`` (the final validation loss is
 taken right after a sync, on the synchronized model).
 
 Row names (:func:`parse_local_name`, shared by ``bench.compare --optimizers`` and
-``bench.convergence --local``): ``sparseloco-h<H>-d<density>[-b<bits>]`` (2-bit values by
+``bench.research.convergence --local``): ``sparseloco-h<H>-d<density>[-b<bits>]`` (2-bit values by
 default) and ``diloco-h<H>``; the other outer hyperparameters are the library's defaults.
 
 Running this module compares them with dense sharded AdamS and SCAPE on one workload and
@@ -59,7 +59,8 @@ SMOKE = dict(model="tiny", world=2, steps=8, batch=2, seq=64, lr=3e-3, warmup_st
 NAME_FORMS = ("sparseloco-h<H>-d<density>[-b<bits>] (e.g. sparseloco-h8-d0.01, "
               "sparseloco-h32-d0.03-b4; 2-bit values unless -b says otherwise) or "
               "diloco-h<H> (e.g. diloco-h8)")
-"""The row names ``bench.compare --optimizers`` and ``bench.convergence --local`` accept."""
+"""The row names ``bench.compare --optimizers`` and ``bench.research.convergence --local``
+accept."""
 
 _SPARSELOCO_NAME = re.compile(
     r"sparseloco-h(?P<h>[0-9]+)-d(?P<d>[0-9.eE+-]+?)(?:-b(?P<b>[0-9]+))?")

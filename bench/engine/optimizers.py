@@ -1,8 +1,7 @@
 """The optimizers the benchmarks train, by name: one table, one factory each.
 
-Every entry point that builds an optimizer (:mod:`bench.engine.runner`, :mod:`bench.convergence`,
-:mod:`bench.compare`, :mod:`bench.step_compute`, :mod:`bench.lr_stability`) goes through
-:func:`build`::
+Every entry point that builds an optimizer (:mod:`bench.engine.runner`, :mod:`bench.compare`,
+:mod:`bench.step_compute`, and the research's jobs) goes through :func:`build`::
 
     opt = build("scape", groups, Spec(lr=3e-3, sparsity=0.99, kwargs={"update": "auto"}), comm)
 
@@ -24,9 +23,9 @@ it gets, whether it is sparse, whether it communicates only every few steps.
 ``diloco``         ``scape.DiLoCo`` around an AdamW inner optimizer
 =================  ==========================================================================
 
-Importing this module registers the research rules (``import bench.research.rules``), so
-``spec.kwargs["update"]`` may name any of them, or a variant made by
-:func:`bench.research.rules.with_options` (``lazy-explore0.2``, ``lazy-noef``) in any process.
+``spec.kwargs["update"]`` names a rule of ``scape.rules`` (a built-in, or one a module
+registered with ``scape.rules.register``); a module may also add a function to
+:data:`RULE_NAMES` that makes rules on demand from names of its own.
 """
 
 from __future__ import annotations
@@ -37,7 +36,6 @@ from typing import Any
 
 import torch
 
-import bench.research.rules as research_rules
 import scape
 from bench.engine.topk_baseline import TopKAdamS
 
@@ -84,17 +82,29 @@ class Entry:
 
 
 REMOVED_KWARGS = {
-    "explore": "explore is a field of the rule: pass "
-               "update=bench.research.rules.with_options(name, explore=...)",
-    "error_feedback": "error_feedback is a field of the rule: pass "
-                      "update=bench.research.rules.with_options(name, error_feedback=False)",
+    "explore": "explore is a field of the rule: register a rule with another explore "
+               "(dataclasses.replace(scape.rules.get(name), explore=...))",
+    "error_feedback": "error_feedback is a field of the rule: register a rule with "
+                      "error_feedback=False",
     "split": "the optimizer sends each param group at its own sparsity; split the budget "
-             "from outside with bench.research.allot (the -autog1 rows of bench.convergence)",
+             "from outside the optimizer (param groups at their own sparsity)",
     "split_every": "the optimizer sends each param group at its own sparsity; split the "
-                   "budget from outside with bench.research.allot",
+                   "budget from outside the optimizer",
 }
 """Keyword arguments ``scape.SCAPE`` does not take that older rows passed, with what does
 their work."""
+
+
+RULE_NAMES: list[Callable[[Any], Any]] = []
+"""Functions ``update -> update`` applied in order before a rule is looked up: a module that
+makes rules on demand from names of its own (registering each) appends one on import."""
+
+
+def rule_name(rule: Any) -> Any:
+    """``rule`` through :data:`RULE_NAMES` (unchanged when none is registered)."""
+    for resolve in RULE_NAMES:
+        rule = resolve(rule)
+    return rule
 
 
 def _hp(spec: Spec) -> dict[str, Any]:
@@ -104,7 +114,7 @@ def _hp(spec: Spec) -> dict[str, Any]:
 def _scape_kwargs(spec: Spec) -> dict[str, Any]:
     kw = dict(spec.kwargs)
     if "update" in kw:
-        kw["update"] = research_rules.registered(kw["update"])
+        kw["update"] = rule_name(kw["update"])
     return kw
 
 
@@ -179,10 +189,10 @@ def check_kwargs(name: str, kwargs: Mapping[str, Any]) -> None:
 
 
 def check_rule(rule: Any) -> None:
-    """Refuse an ``update=`` name that no rule is registered under (a built-in, a research
-    rule, or a name :func:`bench.research.rules.with_options` makes), naming the known ones."""
+    """Refuse an ``update=`` name that no rule is registered under (a built-in, one a module
+    registered, or one a function of :data:`RULE_NAMES` makes), naming the known ones."""
     try:
-        scape.rules.get(research_rules.registered(rule))
+        scape.rules.get(rule_name(rule))
     except ValueError as e:
         raise ValueError(f"unknown rule {rule!r}: {e}") from None
 

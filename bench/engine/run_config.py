@@ -5,9 +5,11 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
 import math
 import os
+from collections.abc import Callable
 from typing import Any
 
 from bench.engine.optimizers import OPTIMIZERS as REGISTRY
@@ -22,6 +24,10 @@ PRESETS = {**GPT_PRESETS, **LLAMA_PRESETS}
 presets."""
 OPTIMIZERS = tuple(REGISTRY)
 """Values of ``RunConfig.optimizer``: the names of :data:`bench.engine.optimizers.OPTIMIZERS`."""
+PLUGINS: list[str] = []
+"""Modules a :class:`RunConfig` made in this process names in ``imports`` by default: a package
+that registers rules or hooks on import appends its name here, so the ranks of the runs built
+while it is loaded (by any job) import it too."""
 
 
 @dataclasses.dataclass
@@ -34,9 +40,9 @@ class RunConfig:
     """Fraction of coordinates not sent per step (``scape``, ``topk``, ``compute_only``)."""
     optimizer_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
     """Passed through to the optimizer's factory (:mod:`bench.engine.optimizers`): to
-    ``scape.SCAPE`` (e.g. ``update``, ``warmup_steps``, ``dense_every``, ``block_size``; a research
-    rule's name, or one made by :func:`bench.research.rules.with_options` for another ``explore`` or
-    no error feedback), to the top-k baseline (``warmup_steps``, ``block_size``) or to the
+    ``scape.SCAPE`` (e.g. ``update``, ``warmup_steps``, ``dense_every``, ``block_size``; also a
+    rule registered by a module of ``imports``), to the top-k baseline (``warmup_steps``,
+    ``block_size``) or to the
     outer optimizer of a local-step row (``sync_every``, ``density``, ...)."""
     group_sparsity: dict[str, float] | None = None
     """Per-group sparsity by :func:`bench.workloads.gpt.param_groups` group name (``"embed"`` splits
@@ -48,14 +54,16 @@ class RunConfig:
     from ``start`` (or its own, if lower) to its own over ``ramp_steps`` steps, by the
     library's :class:`scape.SparsityRamp` (the ``j``-th sparse step, from 0, sends the mask made
     at ``scape.sparsity_ramp(j)``); None: no ramp. SCAPE rows only."""
-    sparsity_follows_lr: float | None = None
-    """A power ``q``: after the ramp (or the dense warm-up) a sparse group's density
-    ``1 - sparsity`` follows ``(lr / peak)^q``, scaled so its mean over those steps is the
-    group's own (:func:`follow_density`): more sent while the lr is high, the same bytes in
-    all. None: the group's sparsity throughout. SCAPE rows only."""
-    drift: bool = False
-    """Every rank moves the coordinates a step did not send along the rate of their last
-    catch-up (:class:`bench.research.drift.Drift`, a research option). SCAPE rows only."""
+    imports: list[str] = dataclasses.field(default_factory=lambda: list(PLUGINS))
+    """Modules imported before the run is validated, in this process and in every rank, so
+    rules they register (``scape.rules.register``) may be named in ``optimizer_kwargs`` and
+    hooks they define in ``hooks`` (default: :data:`PLUGINS`)."""
+    hooks: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    """``{"package.module:factory": kwargs}``: each rank calls ``factory(cfg, module, opt,
+    **kwargs)`` once its optimizer is built and calls the object returned each step:
+    ``before_step(step)`` once the step's lr is set, ``after_step(step)`` after
+    ``opt.step()`` (either may be absent). A factory's ``check(cfg, **kwargs)``, where it has
+    one, runs on construction, before launch. {}: none."""
     model: str = "small"
     """:mod:`bench.workloads.gpt` preset (``tiny``, ``small``, ``base``) or
     :mod:`bench.workloads.llama` preset."""
@@ -132,20 +140,14 @@ class RunConfig:
             start, ramp_steps = self.sparsity_ramp
             self.sparsity_ramp = (float(start), int(ramp_steps))
             sparsity_ramp(0, start=start, end=self.sparsity, ramp_steps=ramp_steps)  # its checks
-        if self.sparsity_follows_lr is not None:
-            q = self.sparsity_follows_lr
-            if self.optimizer != "scape":
-                raise ValueError(f"RunConfig.sparsity_follows_lr applies to scape rows, not "
-                                 f"{self.optimizer!r}")
-            if isinstance(q, bool) or not isinstance(q, (int, float)) or not 0.0 < q <= 4.0:
-                raise ValueError(f"RunConfig.sparsity_follows_lr must be a power in (0, 4], "
-                                 f"got {q!r}")
-            low = min([self.sparsity, *(self.group_sparsity or {}).values()])
-            if (1.0 - low) / follow_mean(self) >= 1.0:  # the peak's density, before launch
-                raise ValueError(f"RunConfig.sparsity_follows_lr={q}: sparsity {low} would "
-                                 f"turn dense at the peak lr")
-        if self.drift and self.optimizer != "scape":
-            raise ValueError(f"RunConfig.drift applies to scape rows, not {self.optimizer!r}")
+        if not isinstance(self.imports, list) or not all(isinstance(m, str)
+                                                          for m in self.imports):
+            raise TypeError(f"RunConfig.imports must be a list of module names, "
+                            f"got {self.imports!r}")
+        for module in self.imports:
+            importlib.import_module(module)
+        if not isinstance(self.hooks, dict):
+            raise TypeError(f"RunConfig.hooks must be a dict, got {type(self.hooks).__name__}")
         if entry.needs_sparsity and self.sparsity == 0.0:
             raise ValueError(f"RunConfig.sparsity must be > 0 for optimizer "
                              f"{self.optimizer!r} (use 'adams' for dense), got 0.0")
@@ -199,6 +201,14 @@ class RunConfig:
                              f"(e.g. small-untied); the {self.model} preset ties its head to "
                              f"the token embedding")
 
+        for path, kwargs in self.hooks.items():
+            if not isinstance(kwargs, dict):
+                raise TypeError(f"RunConfig.hooks[{path!r}] must be a dict of keyword "
+                                f"arguments, got {type(kwargs).__name__}")
+            check = getattr(hook_factory(path), "check", None)  # importable, before launch
+            if check is not None:
+                check(self, **kwargs)
+
     @property
     def seq_len(self) -> int:
         return self.seq if self.seq is not None else PRESETS[self.model].seq_len
@@ -238,6 +248,7 @@ class RunConfig:
         d = dict(d)
         if "betas" in d:
             d["betas"] = tuple(d["betas"])
+        d.setdefault("imports", [])  # a config as written imports what it names, nothing more
         return cls(**d)
 
 
@@ -250,25 +261,20 @@ def lr_at(step: int, cfg: RunConfig) -> float:
     return cfg.lr * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * t)))
 
 
-def follow_mean(cfg: RunConfig) -> float:
-    """The mean of ``(lr / peak)^q`` over the steps after the ramp (:func:`follow_density`)."""
-    q = cfg.sparsity_follows_lr or 1.0
-    weights = [(lr_at(t, cfg) / cfg.lr) ** q for t in range(cfg.ramp_end, cfg.steps)]
-    return sum(weights) / max(1, len(weights))
-
-
-def follow_density(step: int, cfg: RunConfig, end: float, mean: float) -> float:
-    """The sparsity a group of sparsity ``end`` makes its mask at, at 0-based ``step``, under
-    :attr:`RunConfig.sparsity_follows_lr` (``q``): the mask is sent at the next step, whose lr
-    weighs the density ``1 - end`` by ``(lr / peak)^q`` over ``mean``, that weight's mean
-    across the steps after the ramp (:func:`follow_mean`). Raises ValueError where a step
-    would turn dense."""
-    q = cfg.sparsity_follows_lr or 1.0
-    d = (1.0 - end) * (lr_at(step + 1, cfg) / cfg.lr) ** q / mean
-    if d >= 1.0:
-        raise ValueError(f"sparsity_follows_lr={q}: density {d:.3g} at step {step + 1} "
-                         f"(sparsity {end})")
-    return 1.0 - d
+def hook_factory(path: str) -> Callable[..., Any]:
+    """The callable ``"package.module:name"`` names (:attr:`RunConfig.hooks`); ValueError
+    where it names none."""
+    module, sep, name = path.partition(":")
+    if not sep or not module or not name:
+        raise ValueError(f"RunConfig.hooks: {path!r} must read 'package.module:factory'")
+    try:
+        factory = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"RunConfig.hooks: {path!r} names no importable callable: {e}") \
+            from None
+    if not callable(factory):
+        raise ValueError(f"RunConfig.hooks: {path!r} is not callable")
+    return factory
 
 
 def load_config(text: str) -> RunConfig:

@@ -19,8 +19,7 @@ from bench.engine import netns_nodes
 from bench.engine.comm_timing import DDPCounter, timed_communicator
 from bench.engine.nullcomm import NullCommunicator
 from bench.engine.optimizers import OPTIMIZERS, Spec, build
-from bench.engine.run_config import RunConfig, follow_density, follow_mean, lr_at
-from bench.research.drift import Drift
+from bench.engine.run_config import RunConfig, hook_factory, lr_at
 from bench.workloads.data import batch_at, eval_loss
 from bench.workloads.gpt import num_params, param_groups
 from bench.workloads.llama import make_model
@@ -110,11 +109,11 @@ def _train(cfg: RunConfig, rank: int, world: int) -> dict[str, Any]:
     device = torch.device("cuda", torch.cuda.current_device()) if cfg.device == "cuda" \
         else torch.device("cpu")
     model, opt, counter, module = _build(cfg, rank, world, device)
-    ends = [g.get("sparsity") for g in opt.param_groups]  # each group's sparsity after a ramp
+    hooks = [hook_factory(path)(cfg, module, opt, **kw) for path, kw in cfg.hooks.items()]
+    before = [h.before_step for h in hooks if hasattr(h, "before_step")]
+    after = [h.after_step for h in hooks if hasattr(h, "after_step")]
     ramp = None if cfg.sparsity_ramp is None else SparsityRamp(
         opt, start=cfg.sparsity_ramp[0], ramp_steps=cfg.sparsity_ramp[1])  # writes step 1's
-    follow = follow_mean(cfg) if cfg.sparsity_follows_lr is not None else 1.0
-    drift = Drift(module.parameters()) if cfg.drift else None
     seq, global_batch = cfg.seq_len, cfg.batch * world
     prof, prof_steps = None, range(cfg.skip + 1, min(cfg.steps, cfg.skip + 4) + 1)
     records: list[dict[str, Any]] = []
@@ -135,10 +134,10 @@ def _train(cfg: RunConfig, rank: int, world: int) -> dict[str, Any]:
         batches = [tuple(t.to(device) for t in batch_at(
             corpus.train, step * cfg.grad_accum + micro, global_batch, seq, cfg.seed, rank,
             world)) for micro in range(cfg.grad_accum)]
-        for g, end in zip(opt.param_groups, ends):
+        for g in opt.param_groups:
             g["lr"] = lr_at(step, cfg)
-            if cfg.sparsity_follows_lr is not None and end and step + 1 >= cfg.ramp_end:
-                g["sparsity"] = follow_density(step, cfg, end, follow)
+        for hook in before:  # RunConfig.hooks
+            hook(step)
         bytes_before = {op: int(v["bytes"]) for op, v in counter.stats.items()}
         link_before = _link_tx() if cfg.node_netns is not None else 0
         wait_before = counter.wait_s
@@ -155,9 +154,8 @@ def _train(cfg: RunConfig, rank: int, world: int) -> dict[str, Any]:
         opt.zero_grad()
         if ramp is not None:  # the next step's sparsity, as an LR scheduler writes the lr
             ramp.step()
-        if drift is not None:
-            opt.finish_param_sync()  # the step's values in the model, then the reckoning
-            drift.after_step()
+        for hook in after:
+            hook(step)
         if device.type == "cuda":
             torch.cuda.synchronize(device)  # the step's kernels are in the time
         step_s = time.perf_counter() - t0

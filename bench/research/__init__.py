@@ -1,14 +1,30 @@
 """The research side of SCAPE: rules and schedules that are not part of the library's product
 surface. Everything here plugs into ``scape`` through its public API (``scape.rules.register``,
-the optimizer's public attributes); the library imports nothing from here.
+the optimizer's public attributes) and into the benchmarks' engine through its registries; the
+library and the engine import nothing from here.
 
-- :mod:`bench.research.rules`: the research rules; ``import bench.research.rules`` registers
-  every one under its name, so ``scape.SCAPE(..., update="catchup_agree_trust2_accum")`` works
-  afterwards (docs/research.md). :mod:`bench.engine.optimizers` imports it for every benchmark.
+Importing this package registers the research: the research rules (:mod:`bench.research.rules`,
+``scape.SCAPE(..., update="catchup_agree_trust2_accum")`` works afterwards), the
+``-follow<q>`` and ``-drift`` rows of ``bench.lr_sweep`` (:data:`bench.lr_sweep.ROW_HOOKS`), and
+its own name in :data:`bench.engine.run_config.PLUGINS`, so the ranks of every run built while it
+is loaded import it too. ``python -m bench.research bench.lr_sweep ARGS`` runs a job with it.
+
 - :mod:`bench.research.rows`: the rows of the convergence ablation (``python -m
-  bench.convergence --variants NAME``) and the schedules they run (ramps, the measured
+  bench.research.convergence --variants NAME``) and the schedules they run (ramps, the measured
   per-group split, the lr-following bound).
 - :mod:`bench.research.allot`: the per-group split of one sparsity budget, made from outside
   the optimizer.
 - :mod:`bench.research.rotate`: training in a transform domain (the ``-dct64`` rows).
+- :mod:`bench.research.drift`, :mod:`bench.research.follow`: the rank hooks of ``-drift`` and
+  ``-follow<q>``.
 """
+
+from bench import lr_sweep
+from bench.engine import run_config
+from bench.research import drift, follow, rules  # noqa: F401 (rules registers on import)
+
+if __name__ not in run_config.PLUGINS:
+    run_config.PLUGINS.append(__name__)
+for _row in (follow.row, drift.row):
+    if _row not in lr_sweep.ROW_HOOKS:
+        lr_sweep.ROW_HOOKS.append(_row)

@@ -1,5 +1,6 @@
 """Dead reckoning for the coordinates a sparse step did not send (a research option of the
-harness: ``bench.lr_sweep``'s ``-drift`` rows, :attr:`bench.engine.run_config.RunConfig.drift`).
+harness: ``bench.lr_sweep``'s ``-drift`` rows under ``python -m bench.research``, a
+``RunConfig.hooks`` entry ``bench.research.drift:hook``).
 
 Between two sends a coordinate of SCAPE's model stands still and then jumps by its whole
 catch-up; dense AdamS moves it a little every step. Here every rank moves the coordinates it
@@ -16,6 +17,7 @@ counters per coordinate on every rank.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 
@@ -53,3 +55,34 @@ class Drift:
             shown.copy_(x)
             sent_total += int(sent.sum())
         return sent_total
+
+
+class _Hook:
+    """:class:`Drift` as a rank's step hook (:attr:`bench.engine.run_config.RunConfig.hooks`)."""
+
+    def __init__(self, module: torch.nn.Module, opt: Any) -> None:
+        self.opt, self.drift = opt, Drift(module.parameters())
+
+    def after_step(self, step: int) -> None:
+        self.opt.finish_param_sync()  # the step's values in the model, then the reckoning
+        self.drift.after_step()
+
+
+def hook(cfg: Any, module: torch.nn.Module, opt: Any) -> _Hook:
+    """The ``RunConfig.hooks`` factory of the ``-drift`` rows (SCAPE rows only)."""
+    check(cfg)
+    return _Hook(module, opt)
+
+
+def check(cfg: Any) -> None:
+    """Before launch (``RunConfig`` calls it): SCAPE rows only."""
+    if cfg.optimizer != "scape":
+        raise ValueError(f"drift applies to scape rows, not {cfg.optimizer!r}")
+
+
+hook.check = check  # type: ignore[attr-defined]
+
+
+def row(part: str) -> dict[str, dict[str, Any]] | None:
+    """``bench.lr_sweep``'s ``-drift`` suffix: the hook entry (None: not this suffix)."""
+    return {f"{__name__}:hook": {}} if part == "drift" else None

@@ -1,11 +1,11 @@
-"""The rows of the convergence ablation (:mod:`bench.convergence`): one dict per variant.
+"""The rows of the convergence ablation (:mod:`bench.research.convergence`): one dict per variant.
 
 A row is ``<rule>[-<change>]@<sparsity>``: a rule (the built-ins and the research rules of
 :mod:`bench.research.rules`) at the default schedule, a schedule change (explore, dense
 warm-up, dense refresh, no error feedback), a per-group sparsity (:data:`GROUP_RULES`), a
 sparsity warm-up (:data:`RAMP_RULES`), a measured per-group split (:data:`AUTO_RULES`,
 :class:`Allotment`) or a transform domain (:mod:`bench.research.rotate`). The keys are those
-:func:`bench.convergence_train.train` reads: ``sparsity``, ``warmup_steps``, ``update`` and
+:func:`bench.research.convergence_train.train` reads: ``sparsity``, ``warmup_steps``, ``update`` and
 optionally ``group_sparsity``, ``ramp``, ``allot``, ``allot_floor``, ``transform``,
 ``trust_lr``, ``dense_every``. A row that changes ``explore`` or drops error feedback names a
 rule made by :func:`bench.research.rules.with_options` in ``update`` (``lazy-explore0.2``,

@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 
+from bench.engine.optimizers import RULE_NAMES
 from bench.research.probe import PROBE
 from scape import rules
 from scape.rules import (
@@ -367,3 +368,5 @@ def registered(name: Any) -> Any:
 for _name, _rule in RESEARCH_RULES.items():
     if _name not in RULES:
         rules.register(_name, _rule)
+if registered not in RULE_NAMES:  # the benchmarks' optimizers take with_options' names too
+    RULE_NAMES.append(registered)

@@ -5,7 +5,7 @@ with SCAPE at 0.9 and 0.99 sparsity, for every rule and a few learning rates; pr
 training loss of the first and last 10 of 120 steps. A rule that moves a stale coordinate
 many AdamS steps at once diverges where the plain rule does not.
 
-    python -m bench.lr_stability            # about a minute on one core
+    python -m bench.research.lr_stability            # about a minute on one core
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Reading the convergence ablation's result files (:mod:`bench.convergence`): the markdown
+"""Reading the convergence ablation's result files (:mod:`bench.research.convergence`): the markdown
 table of ``--table`` and the gap plot of ``--plot``, with ratios to dense AdamS taken from the
 files' own dense rows where a file ran without one."""
 
@@ -12,7 +12,7 @@ from bench.engine.optimizers import LOCAL_STEPS as LOCAL_SGD
 from bench.engine.report import plot_points
 
 SCHEMA = "scape.convergence/1"
-"""``schema`` field of a result file of :mod:`bench.convergence`."""
+"""``schema`` field of a result file of :mod:`bench.research.convergence`."""
 
 
 def _load_reports(paths: list[str]) -> list[tuple[str, dict[str, Any]]]:

@@ -1,4 +1,4 @@
-"""Training of the convergence ablation (:mod:`bench.convergence`): the :class:`Workload`
+"""Training of the convergence ablation (:mod:`bench.research.convergence`): the :class:`Workload`
 every row shares, one row in one process fed the global batch (:func:`train`), a row on W gloo
 ranks through :mod:`bench.engine.runner` (:func:`train_ranks`, :func:`train_local` for the
 local-step rows) and the dense reference bytes. The rows themselves are

@@ -32,13 +32,15 @@ report has dense sharded AdamS's ``N_pad * (4 + 4) + 8`` at ``--world`` for refe
 data-parallel AdamW is W-invariant like SCAPE), which separates the inner optimizer from the
 local steps.
 
-    python -m bench.convergence --steps 400 --out bench/results/convergence_400.json
-    python -m bench.convergence --steps 400 --lr 0.0003 --dense-loss 2.2193 --variants none \
-        --local sparseloco-h8-d0.01 diloco-h8 --threads 1 --out bench/results/local.json
-    python -m bench.convergence --smoke            # seconds; CI checks the schema
+    python -m bench.research.convergence --steps 400 --out bench/results/convergence_400.json
+    python -m bench.research.convergence --steps 400 --lr 0.0003 --dense-loss 2.2193 \
+        --variants none --local sparseloco-h8-d0.01 diloco-h8 --threads 1 \
+        --out bench/results/local.json
+    python -m bench.research.convergence --smoke            # seconds; CI checks the schema
 
-The rows are :mod:`bench.research.rows`; training is :mod:`bench.convergence_train`, the
-``--table`` and ``--plot`` readers :mod:`bench.convergence_report`; this module is the CLI.
+The rows are :mod:`bench.research.rows`; training is :mod:`bench.research.convergence_train`,
+the ``--table`` and ``--plot`` readers :mod:`bench.research.convergence_report`; this module is
+the CLI.
 """
 
 from __future__ import annotations
@@ -56,8 +58,10 @@ from typing import Any
 import torch
 
 from bench.compare_report import environment
-from bench.convergence_report import SCHEMA, gap_series, plot_gap, table
-from bench.convergence_train import (
+from bench.engine.local_sgd_opts import parse_local_name, sync_warning
+from bench.engine.runner import run
+from bench.research.convergence_report import SCHEMA, gap_series, plot_gap, table
+from bench.research.convergence_train import (
     LOCAL_ROWS,
     Workload,
     build_optimizer,
@@ -68,8 +72,6 @@ from bench.convergence_train import (
     train_local,
     train_ranks,
 )
-from bench.engine.local_sgd_opts import parse_local_name, sync_warning
-from bench.engine.runner import run
 from bench.research.rows import variants
 from bench.workloads.data import load_corpus
 
@@ -215,8 +217,9 @@ def main(argv: list[str] | None = None) -> int:
     for r in results:
         r["ratio_to_dense"] = None if dense_loss is None else r["final_val_loss"] / dense_loss
     report = {"schema": SCHEMA, "workload": dataclasses.asdict(w), "dense_lr": lr,
-              "dense_val_loss": dense_loss, "command": " ".join(["python -m bench.convergence"]
-                                                               + (argv or sys.argv[1:])),
+              "dense_val_loss": dense_loss,
+              "command": " ".join(["python -m bench.research.convergence"]
+                                  + (argv or sys.argv[1:])),
               "machine": platform.processor() or platform.machine(),
               "environment": environment("cpu", None),
               "date": datetime.date.today().isoformat(),
