@@ -365,9 +365,14 @@ def build_report(argv: list[str] | None, legs: dict[str, dict[str, Any]],
         "profile_phases": {r["name"]: r["phases"] for r in speed or []} if profile else None,
         "wall_s": wall_s,
     }
-    report["targets"] = evaluate_targets(report["quality"]["table"] if quality else [],
-                                         report["speed"]["table"] if speed else [])
+    report["quick"] = quick
+    report["targets"] = [] if quick else evaluate_targets(
+        report["quality"]["table"] if quality else [], report["speed"]["table"] if speed else [])
     report["headline"] = headline(report)
+    if quick:  # a tiny model for a few steps: it shows every leg runs, nothing more
+        report["headline"]["text"] = ("--quick is a smoke: every leg ran, on a tiny model for a "
+                                      "few steps; it judges nothing (no targets). "
+                                      + report["headline"]["text"])
     return report
 
 

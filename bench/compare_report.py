@@ -256,6 +256,9 @@ def render_markdown(report: dict[str, Any]) -> str:
                              [[t["target"], fmt(t["value"], ".4g"),
                                {True: "yes", False: "**no**", None: "-"}[t["met"]]]
                               for t in report["targets"]])
+    if report.get("quick"):
+        targets = ("None judged: `--quick` is a smoke that shows every leg runs (a tiny model, "
+                   "a few steps).")
     parts.append(f"\n## Targets\n\n{targets}\n")
     return "\n".join(parts)
 

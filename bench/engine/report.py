@@ -103,8 +103,9 @@ def plot_bytes(runs: Sequence[dict[str, Any]], path: str, title: str = "") -> bo
 
 
 def plot_steps(table: Sequence[dict[str, Any]], path: str, title: str = "") -> bool:
-    """Median step time per row (log scale), split into local compute and waiting on the
-    link; the compute-only floor as a dashed line."""
+    """Median step time per row, its local compute and its waiting on the link side by side
+    (log scale: neither hides the other, as a stack would), the whole step written above;
+    the compute-only floor as a dashed line."""
     plt = _pyplot()
     if plt is None:
         return False
@@ -112,16 +113,19 @@ def plot_steps(table: Sequence[dict[str, Any]], path: str, title: str = "") -> b
     names = [r["name"] for r in table]
     step = [1e3 * (r["median_step_s"] or 0.0) for r in table]
     wait = [1e3 * min(r["median_wait_s"] or 0.0, r["median_step_s"] or 0.0) for r in table]
-    ax.bar(names, [s - w for s, w in zip(step, wait)], label="compute")
-    ax.bar(names, wait, bottom=[s - w for s, w in zip(step, wait)], label="waiting on the link")
+    xs = range(len(names))
+    ax.bar([x - 0.2 for x in xs], [s - w for s, w in zip(step, wait)], width=0.4,
+           label="local compute")
+    ax.bar([x + 0.2 for x in xs], wait, width=0.4, label="waiting on the link")
     for x, s in enumerate(step):
-        ax.text(x, s, f"{s:,.0f} ms", ha="center", va="bottom", fontsize=8)
+        ax.text(x, s, f"step {s:,.0f} ms", ha="center", va="bottom", fontsize=8)
     floor = [1e3 * r["median_step_s"] for r in table if r["name"] == "compute_only"]
     if floor:
-        ax.axhline(floor[0], color="black", lw=0.8, ls="--", label="compute-only")
+        ax.axhline(floor[0], color="black", lw=0.8, ls="--", label="compute-only step")
+    ax.set_xticks(list(xs), names)
     ax.set_yscale("log")
-    ax.set_ylabel("median step (ms)")
-    ax.set_title(title or "step time")
+    ax.set_ylabel("ms (median over the timed steps)")
+    ax.set_title(title or "step time: compute and waiting")
     ax.tick_params(axis="x", rotation=30)
     ax.legend(fontsize=8)
     fig.tight_layout()
