@@ -25,7 +25,20 @@ wire, gloo's and TCP's overheads included).
 ``two_level`` trained long enough to leave the unigram plateau, at the compare job's tuned
 learning rate; the final validation loss of each and their ratio.
 
+**FSDP2** (``--fsdp2``): both legs run, instead, a model sharded by FSDP2 inside each node
+(``fully_shard`` over the node's ranks) with
+
+=================  ===========================================================================
+``fsdp2_hsdp``     FSDP2's HSDP (the model sharded over the whole mesh: a dense all-reduce of
+                   each rank's slice across nodes) and ``torch.optim.AdamW``
+``fsdp2_scape``    FSDP2 over the node's ranks and SCAPE-0.99 across, ``comm=`` the ranks that
+                   hold the same shard
+=================  ===========================================================================
+
+and report each rank's peak resident memory too; the quality leg compares the two.
+
     python -m bench.two_level [--out out/two_level] [--quick] [--leg speed|quality|both]
+                              [--fsdp2]
 
 ``--quick`` (tiny model, 40 quality steps, one bandwidth) is the smoke the tests run.
 """
@@ -48,6 +61,7 @@ from bench.engine.runner import run
 SCHEMA = "scape.two_level/1"
 NODES, PER_NODE = 2, 2
 ROWS = ("compute_only", "dense_hsdp", "flat", "two_level")
+FSDP2_ROWS = ("fsdp2_hsdp", "fsdp2_scape")
 TUNED_LR = 3e-4
 """The compare job's learning rate (dense sharded AdamS's best at 600 steps)."""
 
@@ -55,11 +69,13 @@ TUNED_LR = 3e-4
 def row_config(row: str, *, model: str, steps: int, lr: float, netns: list[str] | None,
                warmup: int, eval_every: int) -> RunConfig:
     """The run of one row (module docstring)."""
-    opt = {"compute_only": "compute_only", "dense_hsdp": "adams"}.get(row, "scape")
-    kwargs = {} if opt == "adams" else {"warmup_steps": warmup}
+    opt = {"compute_only": "compute_only", "dense_hsdp": "adams",
+           "fsdp2_hsdp": "hsdp_adamw"}.get(row, "scape")
+    kwargs = {} if opt in ("adams", "hsdp_adamw") else {"warmup_steps": warmup}
     return RunConfig(optimizer=opt, sparsity=0.99, model=model, world=NODES * PER_NODE,
                      steps=steps, lr=lr, nodes=NODES, two_level=row in ("dense_hsdp",
                                                                         "two_level"),
+                     fsdp2=row in FSDP2_ROWS,
                      node_netns=netns, optimizer_kwargs=kwargs, threads=1, name=row,
                      eval_every=eval_every, log_every=0,
                      timing_skip=min(warmup + 2, steps - 1))
@@ -73,7 +89,7 @@ def formula(row: str, n_pad: int, block: int = 4096, explore: float = 0.1
         return {"inter": k // PER_NODE * ENTRY_BYTES + 8, "intra": n_pad * 4 + k * (4 + 2) + 8}
     if row == "dense_hsdp":
         return {"inter": n_pad // PER_NODE * 8 + 8, "intra": n_pad * 8 + 8}
-    if row == "flat":
+    if row in ("flat", "fsdp2_scape"):  # (fsdp2: n_pad is the rank's local shard)
         return {"flat": k * ENTRY_BYTES + 8}
     return None
 
@@ -102,9 +118,9 @@ def speed_leg(rate: str, model: str, steps: int, warmup: int,
             print(f"  {row:<13} {res['median_step_s'] * 1e3:8.0f} ms/step "
                   f"({time.perf_counter() - t0:.0f} s)", flush=True)
     by = {r["name"]: r["median_step_s"] for r in rows}
+    hsdp = by.get("dense_hsdp", by.get("fsdp2_hsdp"))  # (the FSDP2 rows: FSDP2's HSDP)
     for r in rows:  # (None where the row it divides by was not run: --rows)
-        r["speedup_vs_dense_hsdp"] = by["dense_hsdp"] / r["median_step_s"] \
-            if "dense_hsdp" in by else None
+        r["speedup_vs_dense_hsdp"] = hsdp / r["median_step_s"] if hsdp else None
         r["ratio_to_compute_only"] = r["median_step_s"] / by["compute_only"] \
             if "compute_only" in by else None
     return {"rate": rate, "rate_bps": bits, "link": link, "rows": rows}
@@ -112,28 +128,33 @@ def speed_leg(rate: str, model: str, steps: int, warmup: int,
 
 def _speed_row(row: str, res: dict[str, Any]) -> dict[str, Any]:
     levels = _levels(res["bytes_per_step"])
-    return {"name": row, "median_step_s": res["median_step_s"],
+    inter = levels.get("flat" if row == "fsdp2_scape" else "inter", 0.0)  # (SCAPE's comm is
+    return {"name": row, "median_step_s": res["median_step_s"],  # the replicas only)
             "median_compute_s": res["median_compute_s"],
             "bytes_per_step_by_level": levels,
-            "inter_bytes_per_node": levels.get("inter", 0.0) * PER_NODE,
+            "inter_bytes_per_node": inter * PER_NODE,
+            "max_rss_mb": max(res.get("max_rss_mb_by_rank") or [0.0]),
             "formula": formula(row, res["n_pad"]) if res.get("n_pad") else None,
             # what each node's end of the link sent per timed step (TCP and gloo included)
             "link_bytes_per_node_per_step": res["link_tx_per_step_by_node"],
             "dense_steps": res["dense_steps"], "n_pad": res.get("n_pad")}
 
 
-def quality_leg(model: str, steps: int, lr: float) -> dict[str, Any]:
+def quality_leg(model: str, steps: int, lr: float, fsdp2: bool = False) -> dict[str, Any]:
     runs = {}
-    for row in ("flat", "two_level"):
+    pair = FSDP2_ROWS if fsdp2 else ("flat", "two_level")
+    for row in pair:
         t0 = time.perf_counter()
         res = run(row_config(row, model=model, steps=steps, lr=lr, netns=None, warmup=20,
                              eval_every=max(1, steps // 6)))
         runs[row] = {"final_val_loss": res["final_val_loss"], "val_curve": res["val_curve"],
-                     "param_sha256_ranks_agree": res["param_sha256_ranks_agree"]}
+                     "param_sha256_ranks_agree": res["param_sha256_ranks_agree"],
+                     "max_rss_mb": max(res.get("max_rss_mb_by_rank") or [0.0])}
         print(f"  {row:<10} val {res['final_val_loss']:.4f} after {steps} steps "
               f"({time.perf_counter() - t0:.0f} s)", flush=True)
-    ratio = runs["two_level"]["final_val_loss"] / runs["flat"]["final_val_loss"]
-    return {"steps": steps, "lr": lr, "runs": runs, "two_level_over_flat": ratio}
+    ratio = runs[pair[1]]["final_val_loss"] / runs[pair[0]]["final_val_loss"]
+    return {"steps": steps, "lr": lr, "runs": runs, "pair": list(pair),
+            "two_level_over_flat" if not fsdp2 else "scape_over_hsdp": ratio}
 
 
 def _x(v: float | None) -> str:
@@ -142,8 +163,8 @@ def _x(v: float | None) -> str:
 
 def render(rep: dict[str, Any]) -> str:
     lines = ["| link | row | ms/step | × vs dense HSDP | / compute | inter B/step/node "
-             "(formula) | intra B/step/rank (formula) | link B/step/node (measured) |",
-             "|---|---|---|---|---|---|---|---|"]
+             "(formula) | intra B/step/rank (formula) | link B/step/node (measured) | peak RSS "
+             "MB/rank |", "|---|---|---|---|---|---|---|---|---|"]
     for leg in rep.get("speed", []):
         for r in leg["rows"]:
             f = r["formula"] or {}
@@ -151,17 +172,20 @@ def render(rep: dict[str, Any]) -> str:
             inter = f"{r['inter_bytes_per_node']:,.0f} ({f['inter'] * PER_NODE:,})" \
                 if "inter" in f else (f"{lv.get('flat', 0):,.0f}/rank ({f['flat']:,})"
                                       if "flat" in f else "–")
+            rss = r.get("max_rss_mb")
             intra = f"{lv.get('intra', 0):,.0f} ({f['intra']:,})" if "intra" in f else "–"
             lines.append(f"| {leg['rate']} | {r['name']} | {r['median_step_s'] * 1e3:.0f} | "
                          f"{_x(r['speedup_vs_dense_hsdp'])} | {_x(r['ratio_to_compute_only'])} "
                          f"| {inter} | {intra} | "
-                         f"{' / '.join(f'{b:,.0f}' for b in r['link_bytes_per_node_per_step'])} |")
+                         f"{' / '.join(f'{b:,.0f}' for b in r['link_bytes_per_node_per_step'])} "
+                         f"| {'–' if not rss else f'{rss:,.0f}'} |")
     q = rep.get("quality")
     if q:
-        lines += ["", f"Quality after {q['steps']} steps (lr {q['lr']}): flat "
-                  f"{q['runs']['flat']['final_val_loss']:.4f}, two levels "
-                  f"{q['runs']['two_level']['final_val_loss']:.4f} "
-                  f"(ratio {q['two_level_over_flat']:.4f})."]
+        a, b = q.get("pair", ["flat", "two_level"])
+        ratio = q.get("two_level_over_flat", q.get("scape_over_hsdp"))
+        lines += ["", f"Quality after {q['steps']} steps (lr {q['lr']}): {a} "
+                  f"{q['runs'][a]['final_val_loss']:.4f}, {b} "
+                  f"{q['runs'][b]['final_val_loss']:.4f} (ratio {ratio:.4f})."]
     return "\n".join(lines) + "\n"
 
 
@@ -175,7 +199,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", nargs="+", choices=ROWS, default=list(ROWS),
                     help="speed-leg rows (default: all)")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--fsdp2", action="store_true",
+                    help="the FSDP2 rows instead (fsdp2_hsdp, fsdp2_scape: module docstring)")
     args = ap.parse_args(argv)
+    rows = FSDP2_ROWS if args.fsdp2 else tuple(args.rows)
     model, warmup = ("tiny", 2) if args.quick else ("small", 2)
     if args.quick:
         args.bandwidth, args.steps, args.quality_steps = args.bandwidth[:1], 8, 40
@@ -185,13 +212,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.leg in ("speed", "both"):
         ok, why = available()
         if ok:
-            rep["speed"] = [speed_leg(r, model, args.steps, warmup, tuple(args.rows))
+            rep["speed"] = [speed_leg(r, model, args.steps, warmup, rows)
                             for r in args.bandwidth]
         else:
             print(f"speed leg skipped: {why}", file=sys.stderr)
             rep["speed_skipped"] = why
     if args.leg in ("quality", "both"):
-        rep["quality"] = quality_leg(model, args.quality_steps, TUNED_LR)
+        rep["quality"] = quality_leg(model, args.quality_steps, TUNED_LR, args.fsdp2)
     with open(os.path.join(args.out, "report.json"), "w") as f:
         json.dump(rep, f, indent=1)
     text = render(rep)

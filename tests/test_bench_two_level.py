@@ -46,6 +46,15 @@ def test_run_config_checks_the_node_layout():
         RunConfig(world=4, nodes=2, node_netns=["a"])
 
 
+def test_run_config_checks_fsdp2():
+    with pytest.raises(ValueError, match="fsdp2 takes the optimizers"):
+        RunConfig(world=4, nodes=2, fsdp2=True, two_level=True)
+    with pytest.raises(ValueError, match="fsdp2 takes the optimizers"):
+        RunConfig(world=4, nodes=2, fsdp2=True, optimizer="topk")
+    with pytest.raises(ValueError, match="set fsdp2=True"):
+        RunConfig(world=4, nodes=2, optimizer="hsdp_adamw")
+
+
 def test_formula_levels():
     n_pad = 4 * 4096 * 10
     k = (n_pad // 4096) * block_budget(0.99, 4096, 0.1)[0]
@@ -80,3 +89,28 @@ def test_two_level_quick(tmp_path):
     assert wire["two_level"] < wire["flat"] < wire["dense_hsdp"]
     assert leg["link"]["inside_bps"] > leg["link"]["link_bps"]
     assert "| 100mbit | two_level |" in text
+
+
+def test_two_level_fsdp2_quick(tmp_path):
+    """FSDP2 inside each node, HSDP or SCAPE-0.99 across: both train with every rank's
+    parameters identical; SCAPE's counted bytes across are the formula on the local shard and
+    the link carries less than HSDP's all-reduce puts on it."""
+    out = tmp_path / "tl"
+    text = _run(["bench.two_level", "--quick", "--fsdp2", "--out", str(out)], timeout=900)
+    rep = json.loads((out / "report.json").read_text())
+    q = rep["quality"]
+    assert q["pair"] == ["fsdp2_hsdp", "fsdp2_scape"]
+    for run in q["runs"].values():
+        assert run["param_sha256_ranks_agree"] and run["max_rss_mb"] > 0
+    assert abs(q["scape_over_hsdp"] - 1) < 0.1  # 40 steps: both near the unigram plateau
+    if not _OK:
+        assert "speed_skipped" in rep
+        return
+    (leg,) = rep["speed"]
+    rows = {r["name"]: r for r in leg["rows"]}
+    assert set(rows) == {"fsdp2_hsdp", "fsdp2_scape"}
+    scape = rows["fsdp2_scape"]
+    assert scape["bytes_per_step_by_level"]["flat"] == scape["formula"]["flat"]
+    wire = {n: sum(r["link_bytes_per_node_per_step"]) for n, r in rows.items()}
+    assert wire["fsdp2_scape"] < wire["fsdp2_hsdp"]
+    assert "| 100mbit | fsdp2_scape |" in text

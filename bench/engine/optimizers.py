@@ -14,6 +14,7 @@ it gets, whether it is sparse, whether it communicates only every few steps.
 =================  ==========================================================================
 ``adamw_ddp``      ``torch.optim.AdamW``; the runner wraps the model in
                    ``DistributedDataParallel`` (every rank holds the full optimizer state)
+``hsdp_adamw``     ``torch.optim.AdamW`` on a model FSDP2 shards as HSDP (``fsdp2`` runs)
 ``dist_adamw``     ``scape.DistributedAdamW`` (dense ZeRO-1 AdamW)
 ``adams``          ``scape.SCAPE`` with ``sparsity=0`` (dense sharded AdamS)
 ``scape``          ``scape.SCAPE`` at ``spec.sparsity``
@@ -75,7 +76,8 @@ class Entry:
     comm: str = "torch"
     """``"torch"``: a ``scape.comm.TorchCommunicator``; ``"null"``: a
     :class:`bench.engine.nullcomm.NullCommunicator` (no collectives: the step-time floor, nothing
-    trained across ranks); ``"ddp"``: none, the model is wrapped in DDP instead."""
+    trained across ranks); ``"ddp"``: none, the model is wrapped in DDP instead; ``"hsdp"``:
+    none, FSDP2 shards the model over the whole mesh and all-reduces across replicas."""
     local_steps: bool = False
     """Communicates every ``sync_every`` steps only (bytes per step are a mean, not a
     per-step median)."""
@@ -158,6 +160,7 @@ def _diloco(groups: Any, spec: Spec, comm: Any) -> torch.optim.Optimizer:
 
 OPTIMIZERS: dict[str, Entry] = {
     "adamw_ddp": Entry(_adamw, comm="ddp"),
+    "hsdp_adamw": Entry(_adamw, comm="hsdp"),
     "dist_adamw": Entry(_dist_adamw),
     "adams": Entry(_adams),
     "scape": Entry(_scape, sparse=True, needs_sparsity=True, group_sparsity=True),

@@ -30,6 +30,10 @@ that registers rules or hooks on import appends its name here, so the ranks of t
 while it is loaded (by any job) import it too."""
 
 
+FSDP2_OPTIMIZERS = ("scape", "adams", "dist_adamw", "hsdp_adamw")
+"""The optimizers a run with :attr:`RunConfig.fsdp2` takes."""
+
+
 @dataclasses.dataclass
 class RunConfig:
     """One training run. Validated on construction; ``dataclasses.asdict`` is its JSON form."""
@@ -119,6 +123,11 @@ class RunConfig:
     a node); False: one flat group of every rank."""
     node_netns: list[str] | None = None
     """Per node, the network namespace its ranks enter (:mod:`bench.engine.netns_nodes`)."""
+    fsdp2: bool = False
+    """Shard the model with FSDP2 (``fully_shard`` per block, then the root) over each node's
+    ranks, the ``dp_shard`` dimension of the ``(nodes, per_node)`` mesh, and give the
+    optimizer ``comm=`` the ``dp_replicate`` dimension (the ranks holding the same shard);
+    with ``hsdp_adamw`` the model is sharded over the whole mesh instead (FSDP2's HSDP)."""
 
     def __post_init__(self) -> None:
         if self.optimizer not in OPTIMIZERS:
@@ -184,6 +193,12 @@ class RunConfig:
                 or self.world % self.nodes:
             raise ValueError(f"RunConfig.nodes must be a positive divisor of world={self.world},"
                              f" got {self.nodes!r}")
+        if self.fsdp2 and (self.two_level or self.optimizer not in FSDP2_OPTIMIZERS):
+            raise ValueError(f"RunConfig.fsdp2 takes the optimizers {FSDP2_OPTIMIZERS} on one "
+                             f"level, got {self.optimizer!r} (two_level={self.two_level})")
+        if self.optimizer == "hsdp_adamw" and not self.fsdp2:
+            raise ValueError("RunConfig.optimizer 'hsdp_adamw' shards the model with FSDP2: "
+                             "set fsdp2=True")
         if self.node_netns is not None and len(self.node_netns) != self.nodes:
             raise ValueError(f"RunConfig.node_netns must name one namespace per node "
                              f"({self.nodes}), got {self.node_netns!r}")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import resource
 import time
 from typing import Any
 
@@ -47,10 +48,12 @@ def _build(cfg: RunConfig, rank: int, world: int, device: torch.device
            ) -> tuple[Any, Any, Any, torch.nn.Module]:
     """``(model_to_call, optimizer, counter, module)``: counter has ``stats`` and ``wait_s``."""
     module = make_model(cfg.model, seed=cfg.seed).to(device)
-    groups = make_groups(module, cfg)
     entry = OPTIMIZERS[cfg.optimizer]
     spec = Spec(lr=cfg.lr, betas=cfg.betas, sparsity=cfg.sparsity,
                 kwargs=dict(cfg.optimizer_kwargs))
+    if cfg.fsdp2:
+        return _build_fsdp2(cfg, world, device, module, spec)
+    groups = make_groups(module, cfg)
     if entry.comm == "ddp":
         counter = DDPCounter(world)
         ddp = DDP(module, device_ids=None if device.type == "cpu" else [device.index])
@@ -68,6 +71,40 @@ def _build(cfg: RunConfig, rank: int, world: int, device: torch.device
         opt.attach(module)
     return module, opt, _Levels(comm) if isinstance(comm, HierarchicalCommunicator) else comm, \
         module
+
+
+def _build_fsdp2(cfg: RunConfig, world: int, device: torch.device, module: torch.nn.Module,
+                 spec: Spec) -> tuple[Any, Any, Any, torch.nn.Module]:
+    """:attr:`RunConfig.fsdp2`: ``fully_shard`` each block, then the root, over the node's ranks
+    (or the whole mesh for ``hsdp_adamw``); the optimizer over the ranks holding the same
+    shard."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(device.type, (cfg.nodes, world // cfg.nodes),
+                            mesh_dim_names=("dp_replicate", "dp_shard"))
+    hsdp = OPTIMIZERS[cfg.optimizer].comm == "hsdp"
+    over = mesh if hsdp else mesh["dp_shard"]
+    for block in module.blocks:  # type: ignore[union-attr]
+        fully_shard(block, mesh=over)
+    fully_shard(module, mesh=over)
+    groups = make_groups(module, cfg)  # (the parameters fully_shard made)
+    if hsdp:
+        return module, build(cfg.optimizer, groups, spec), _Uncounted(), module
+    comm = timed_communicator(TorchCommunicator(mesh["dp_replicate"].get_group(),
+                                                timeout=cfg.timeout_s))
+    opt: Any = build(cfg.optimizer, groups, spec, comm)
+    if hasattr(opt, "attach"):
+        opt.attach(module)
+    return module, opt, comm, module
+
+
+class _Uncounted:
+    """The counter of a run whose collectives are FSDP2's own: none counted (the link's own
+    byte counter still reads them, :attr:`RunConfig.node_netns`)."""
+
+    stats: dict[str, Any] = {}
+    wait_s = 0.0
 
 
 class _Levels:
@@ -177,9 +214,10 @@ def _train(cfg: RunConfig, rank: int, world: int) -> dict[str, Any]:
         if evaluate and (done % cfg.eval_every == 0 or done == cfg.steps):
             if hasattr(opt, "finish_param_sync"):
                 opt.finish_param_sync()
-            if rank == 0:
-                val_curve.append((done, eval_loss(module, corpus.val, seq,
-                                                  n_seqs=cfg.eval_seqs, device=device)))
+            if rank == 0 or cfg.fsdp2:  # (a sharded model's forward runs on every rank)
+                val = eval_loss(module, corpus.val, seq, n_seqs=cfg.eval_seqs, device=device)
+                if rank == 0:
+                    val_curve.append((done, val))
             dist.barrier()
         if rank == 0 and cfg.log_every and (done % cfg.log_every == 0 or done == cfg.steps):
             val = f" val {val_curve[-1][1]:.4f}" if val_curve and val_curve[-1][0] == done \
@@ -201,6 +239,7 @@ def _train(cfg: RunConfig, rank: int, world: int) -> dict[str, Any]:
     if hasattr(opt, "finish_param_sync"):
         opt.finish_param_sync()
     return {"records": records, "val_curve": val_curve, "params": num_params(module),
+            "max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             "wall_s": time.perf_counter() - started, "phases": phases,
             "optimizer_settings": settings, "param_sha256": param_digest(module),
             "n_pad": sum(b.n_pad for b in getattr(opt, "buckets", ())) or None,
@@ -222,7 +261,8 @@ def param_digest(module: torch.nn.Module) -> str:
     whose digests agree trained bitwise the same model."""
     h = hashlib.sha256()
     for name, p in module.named_parameters():
-        t = p.detach().cpu().contiguous()
+        full = p.full_tensor() if hasattr(p, "full_tensor") else p  # (a DTensor: gathered)
+        t = full.detach().cpu().contiguous()
         h.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
         h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     return h.hexdigest()

@@ -139,6 +139,7 @@ def summarize(cfg: RunConfig, ranks: list[dict[str, Any]], wall_s: float) -> dic
             for rk in ranks[::cfg.world // cfg.nodes]] if cfg.node_netns else None,
         "phases": r0["phases"],
         "n_pad": r0.get("n_pad"),
+        "max_rss_mb_by_rank": [rk.get("max_rss_mb") for rk in ranks],
         "device": r0.get("device", "cpu"),
         "wall_s": wall_s,
         "train_wall_s": max(rk["wall_s"] for rk in ranks),
