@@ -65,16 +65,24 @@ def norm_weight(p: torch.Tensor) -> float:
     return 1.0 / copies
 
 
-def global_ranks(comm: Any) -> list[int]:
-    """The global ranks of ``comm``'s members, in its rank order."""
+def known_ranks(comm: Any) -> list[int] | None:
+    """The global ranks of ``comm``'s members in its rank order, where ``comm`` says which
+    they are (a two-level communicator, or one on a torch.distributed group); else None."""
     import torch.distributed as dist
 
     if hasattr(comm, "global_ranks"):  # two levels (scape.comm.HierarchicalCommunicator)
         return list(comm.global_ranks())
     group = getattr(comm, "group", None)
     if group is None or not dist.is_initialized():
-        return list(range(comm.world_size))
+        return None
     return [dist.get_global_rank(group, r) for r in range(comm.world_size)]
+
+
+def global_ranks(comm: Any) -> list[int]:
+    """:func:`known_ranks`, or ``0 .. world_size - 1`` (the default group's) where ``comm``
+    does not say."""
+    ranks = known_ranks(comm)
+    return list(range(comm.world_size)) if ranks is None else ranks
 
 
 class ShardMesh:
@@ -121,8 +129,8 @@ def inspect(params: Sequence[torch.Tensor], comm: Any) -> ShardMesh | None:
     shard_mesh = ShardMesh(mesh)
     import torch.distributed as dist
 
-    me = dist.get_rank()
-    shared = sorted(set(global_ranks(comm)) & set(shard_mesh.ranks) - {me})
+    me, members = dist.get_rank(), known_ranks(comm)  # (a comm that does not say which
+    shared = sorted(set(members or ()) & set(shard_mesh.ranks) - {me})  # ranks: unchecked)
     if shared:
         if mesh.ndim > 1 and all(p.placements[0].is_replicate() for p in dts):  # type: ignore[attr-defined]
             raise ValueError(

@@ -254,8 +254,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         fields["param_shapes"] = digest([tuple(p.shape) for p in shards]) if valid else 0
         fields["param_dtypes"] = digest([str(p.dtype) for p in shards]) if valid else 0
         fields["param_values"] = tensor_digest(shards) if valid else 0
-        if self._shard_mesh is not None:  # the same shard on every rank of comm
-            fields["shard_coordinate"] = digest(self._shard_mesh.coordinate)
+        # the same shard on every rank of comm (a field on every rank: the records align)
+        mesh = self._shard_mesh
+        fields["shard_coordinate"] = digest(None if mesh is None else mesh.coordinate)
         return fields
 
     def _shown(self, groups: list[list[torch.Tensor]], global_fields: dict,

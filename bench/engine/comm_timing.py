@@ -33,6 +33,8 @@ def timed_communicator(inner: Any) -> Any:
             return bool(self._work.is_completed())
 
     class TimedCommunicator(Communicator):
+        group = getattr(inner, "group", None)  # which ranks (the library's layout checks)
+
         def __init__(self) -> None:
             self.inner = inner
             self.rank, self.world_size, self.device = inner.rank, inner.world_size, inner.device
