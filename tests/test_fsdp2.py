@@ -43,50 +43,66 @@ def _train(model, opt, rank, steps, every=None):
     return losses
 
 
-def _fsdp_run(rank, world, which, sparsity, steps, clip):
+def _norm_logger(opt, norms):
+    return lambda s: norms.append(float(opt.last_step.grad_norm))
+
+
+def _fsdp_run(rank, world, steps, clip):
     import scape
 
     mesh = _mesh()
-    model = fc.shard(fc.make_model(), mesh["dp_shard"])
-    cls = {"scape": scape.SCAPE, "adamw": scape.DistributedAdamW}[which]
-    kw = {"sparsity": sparsity, "warmup_steps": 2, "block_size": BLOCK} \
-        if which == "scape" else {}
-    opt = cls(model.parameters(), lr=LR, max_grad_norm=clip, comm=mesh["dp_replicate"], **kw)
-    norms = []
-    losses = _train(model, opt, rank, steps, lambda s: norms.append(float(opt.last_step.grad_norm)))
-    return losses, norms, {k: v.tolist() for k, v in fc.full_params(model).items()}
+    out = {}
+    for which in ("scape", "adamw"):
+        model = fc.shard(fc.make_model(), mesh["dp_shard"])
+        if which == "scape":
+            opt = scape.SCAPE(model.parameters(), lr=LR, sparsity=0.0, block_size=BLOCK,
+                              max_grad_norm=clip, comm=mesh["dp_replicate"])
+        else:
+            opt = scape.DistributedAdamW(model.parameters(), lr=LR, max_grad_norm=clip,
+                                         comm=mesh["dp_replicate"])
+        norms: list[float] = []
+        losses = _train(model, opt, rank, steps, _norm_logger(opt, norms))
+        out[which] = (losses, norms, {k: v.tolist() for k, v in fc.full_params(model).items()})
+    return out
 
 
-def _flat_run(rank, world, which, steps, clip):
+def _flat_run(rank, world, steps, clip):
     import scape
 
-    model = fc.make_model()
-    cls = {"scape": scape.SCAPE, "adamw": scape.DistributedAdamW}[which]
-    kw = {"sparsity": 0.0, "block_size": BLOCK} if which == "scape" else {}
-    opt = cls(model.parameters(), lr=LR, max_grad_norm=clip, **kw)
-    norms = []
-    losses = _train(model, opt, rank, steps, lambda s: norms.append(float(opt.last_step.grad_norm)))
-    return losses, norms, {k: v.tolist() for k, v in fc.full_params(model).items()}
+    out = {}
+    for which in ("scape", "adamw"):
+        model = fc.make_model()
+        if which == "scape":
+            opt = scape.SCAPE(model.parameters(), lr=LR, sparsity=0.0, block_size=BLOCK,
+                              max_grad_norm=clip)
+        else:
+            opt = scape.DistributedAdamW(model.parameters(), lr=LR, max_grad_norm=clip)
+        norms: list[float] = []
+        losses = _train(model, opt, rank, steps, _norm_logger(opt, norms))
+        out[which] = (losses, norms, {k: v.tolist() for k, v in fc.full_params(model).items()})
+    return out
 
 
-@pytest.mark.parametrize("which", ["scape", "adamw"])
-def test_dense_equals_flat_dense_on_the_same_ranks(which):
-    """Sparsity 0 (SCAPE) or DistributedAdamW, clipping on at a norm the gradients exceed:
+def test_dense_equals_flat_dense_on_the_same_ranks():
+    """Sparsity 0 (SCAPE) and DistributedAdamW, clipping on at a norm the gradients exceed:
     the FSDP2 run's parameters, losses and clipping norms are the flat run's to fp32
     rounding."""
     steps, clip = 6, 0.5
-    fsdp = run_ranks(_fsdp_run, 4, which, 0.0, steps, clip, timeout=240)
-    flat = run_ranks(_flat_run, 4, which, steps, clip, timeout=240)
-    for r in range(4):
-        assert fsdp[r][2] == fsdp[0][2], f"rank {r}'s parameters differ from rank 0's"
-        assert fsdp[r][0] == pytest.approx(flat[r][0], rel=1e-5, abs=1e-6)
-        assert fsdp[r][1] == pytest.approx(flat[r][1], rel=1e-5)  # the global norm
-    assert max(fsdp[0][1]) > clip, "clipping never engaged: the test would not see the norm"
-    a, b = fsdp[0][2], flat[0][2]
-    assert a.keys() == b.keys()
-    for k in a:
-        diff = (torch.tensor(a[k]) - torch.tensor(b[k])).abs().max().item()
-        assert diff <= 1e-6, (k, diff)
+    fsdp_all = run_ranks(_fsdp_run, 4, steps, clip, timeout=240)
+    flat_all = run_ranks(_flat_run, 4, steps, clip, timeout=240)
+    for which in ("scape", "adamw"):
+        fsdp = [o[which] for o in fsdp_all]
+        flat = [o[which] for o in flat_all]
+        for r in range(4):
+            assert fsdp[r][2] == fsdp[0][2], f"{which}: rank {r}'s parameters differ from rank 0's"
+            assert fsdp[r][0] == pytest.approx(flat[r][0], rel=1e-5, abs=1e-6)
+            assert fsdp[r][1] == pytest.approx(flat[r][1], rel=1e-5)  # the global norm
+        assert max(fsdp[0][1]) > clip, "clipping never engaged: the test would not see the norm"
+        a, b = fsdp[0][2], flat[0][2]
+        assert a.keys() == b.keys()
+        for k in a:
+            diff = (torch.tensor(a[k]) - torch.tensor(b[k])).abs().max().item()
+            assert diff <= 1e-6, (which, k, diff)
 
 
 def _sparse_run(rank, world, steps, bad_step):
@@ -176,43 +192,47 @@ def test_bf16_mixed_precision_trains_and_state_is_what_the_docs_state():
             assert numel == n_pad // 2, (name, numel, n_pad)
 
 
-def _refused(rank, world, how):
+def _refused(rank, world):
     from torch.distributed.fsdp import fully_shard
 
     import scape
 
     mesh = _mesh()
-    model = fc.make_model()
-    if how == "hsdp":
-        fc.shard(model, mesh["dp_replicate", "dp_shard"])
-        comm = mesh["dp_replicate"]
-    elif how == "overlap":
-        fc.shard(model, mesh["dp_shard"])
-        comm = mesh["dp_shard"]
-    else:  # some parameters left plain
-        fully_shard(model.blocks[0], mesh=mesh["dp_shard"])
-        comm = mesh["dp_replicate"]
-    try:
-        scape.SCAPE(model.parameters(), lr=LR, comm=comm)
-    except Exception as e:  # noqa: BLE001 - the test checks which
-        return type(e).__name__, str(e)
-    return None
+    out = {}
+    for how in ("hsdp", "overlap", "mixed"):
+        model = fc.make_model()
+        if how == "hsdp":
+            fc.shard(model, mesh["dp_replicate", "dp_shard"])
+            comm = mesh["dp_replicate"]
+        elif how == "overlap":
+            fc.shard(model, mesh["dp_shard"])
+            comm = mesh["dp_shard"]
+        else:  # some parameters left plain
+            fully_shard(model.blocks[0], mesh=mesh["dp_shard"])
+            comm = mesh["dp_replicate"]
+        try:
+            scape.SCAPE(model.parameters(), lr=LR, comm=comm)
+            out[how] = None
+        except Exception as e:  # noqa: BLE001 - the test checks which
+            out[how] = (type(e).__name__, str(e))
+    return out
 
 
-@pytest.mark.parametrize("how,kind,words", [
-    ("hsdp", "ValueError", ["HSDP", "mesh['dp_shard']", "comm=mesh['dp_replicate']"]),
-    ("overlap", "ValueError", ["comm must be the ranks that hold the same shard",
-                               "comm=mesh['dp_replicate']"]),
-    ("mixed", "TypeError", ["DTensors", "fully_shard"]),
-])
-def test_wrong_layouts_are_refused_on_every_rank(how, kind, words):
-    out = run_ranks(_refused, 4, how, timeout=120)
-    for r in out:
-        assert r is not None, f"{how}: accepted"
-        assert r[0] == kind, r
-        for w in words:
-            assert w in r[1], (w, r[1])
+WRONG = [("hsdp", "ValueError", ["HSDP", "mesh['dp_shard']", "comm=mesh['dp_replicate']"]),
+         ("overlap", "ValueError", ["comm must be the ranks that hold the same shard",
+                                    "comm=mesh['dp_replicate']"]),
+         ("mixed", "TypeError", ["DTensors", "fully_shard"])]
 
+
+def test_wrong_layouts_are_refused_on_every_rank():
+    out = run_ranks(_refused, 4, timeout=120)
+    for how, kind, words in WRONG:
+        for r in out:
+            got = r[how]
+            assert got is not None, f"{how}: accepted"
+            assert got[0] == kind, got
+            for w in words:
+                assert w in got[1], (how, w, got[1])
 
 SAVE_AT, MORE = 8, 4
 
@@ -239,23 +259,27 @@ def _state_digest(opt, model):
     return h
 
 
-def _dcp_save(rank, world, path, save):
+def _dcp_save(rank, world, path):
+    """The run that saves at SAVE_AT, and the same run without saving (no side effect)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     mesh = _mesh()
-    model = fc.shard(fc.make_model(), mesh["dp_shard"])
-    opt = _ckpt_opt(model, mesh)
-    after = []
-    for s in range(SAVE_AT + MORE):
-        fc.loss_of(model, s, rank).backward()
-        opt.step()
-        if s + 1 == SAVE_AT and save:
-            msd, osd = get_state_dict(model, opt)
-            dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
-        if s + 1 >= SAVE_AT:
-            after.append(_state_digest(opt, model))
-    return after
+    runs = []
+    for save in (True, False):
+        model = fc.shard(fc.make_model(), mesh["dp_shard"])
+        opt = _ckpt_opt(model, mesh)
+        after = []
+        for s in range(SAVE_AT + MORE):
+            fc.loss_of(model, s, rank).backward()
+            opt.step()
+            if s + 1 == SAVE_AT and save:
+                msd, osd = get_state_dict(model, opt)
+                dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+            if s + 1 >= SAVE_AT:
+                after.append(_state_digest(opt, model))
+        runs.append(after)
+    return runs
 
 
 def _dcp_load(rank, world, path, shape):
@@ -287,8 +311,8 @@ def _dcp_load(rank, world, path, shape):
 
 def test_dcp_round_trip_is_bit_exact_and_loads_onto_another_replicate_count(tmp_path):
     path = str(tmp_path / "ckpt")
-    saved = run_ranks(_dcp_save, 4, path, True, timeout=240)
-    plain = run_ranks(_dcp_save, 4, path + "-unused", False, timeout=240)
+    both = run_ranks(_dcp_save, 4, path, timeout=240)
+    saved, plain = [b[0] for b in both], [b[1] for b in both]
     loaded = run_ranks(_dcp_load, 4, path, (2, 2), timeout=240)
     for r in range(4):
         assert saved[r] == plain[r], f"rank {r}: saving changed the run"

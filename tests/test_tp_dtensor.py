@@ -32,7 +32,8 @@ def _full(model):
             for k, p in model.named_parameters()}
 
 
-def _tp_run(rank, world, sparsity, steps, clip, save):
+def _tp_run(rank, world, steps, clip):
+    """Sparsity 0 with clipping (and the state dict's refusal), then 0.99."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -43,25 +44,29 @@ def _tp_run(rank, world, sparsity, steps, clip, save):
     import scape
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    model = parallelize_module(_model(), mesh["tp"], {"0": ColwiseParallel(),
-                                                      "2": RowwiseParallel()})
-    opt = scape.SCAPE(model.parameters(), lr=LR, sparsity=sparsity, block_size=BLOCK,
-                      warmup_steps=2, max_grad_norm=clip, comm=mesh["dp"])
-    norms = []
-    for s in range(steps):
-        x, y = _batch(s, mesh["dp"].get_local_rank())
-        F.cross_entropy(model(x), y).backward()
-        opt.step()
-        opt.zero_grad()
-        norms.append(float(opt.last_step.grad_norm))
-    out = {"params": _full(model), "norms": norms,
-           "buckets": sorted(b.norm_weight for b in opt.buckets)}
-    if save:
-        try:
-            opt.state_dict()
-        except ValueError as e:
-            out["state_dict"] = str(e)
-    return out
+    runs = {}
+    for sparsity in (0.0, 0.99):
+        model = parallelize_module(_model(), mesh["tp"], {"0": ColwiseParallel(),
+                                                          "2": RowwiseParallel()})
+        opt = scape.SCAPE(model.parameters(), lr=LR, sparsity=sparsity, block_size=BLOCK,
+                          warmup_steps=2, max_grad_norm=clip if sparsity == 0 else None,
+                          comm=mesh["dp"])
+        norms = []
+        for s in range(steps if sparsity == 0 else 12):
+            x, y = _batch(s, mesh["dp"].get_local_rank())
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            norms.append(float(opt.last_step.grad_norm))
+        out = {"params": _full(model), "norms": norms,
+               "buckets": sorted(b.norm_weight for b in opt.buckets)}
+        if sparsity == 0:
+            try:
+                opt.state_dict()
+            except ValueError as e:
+                out["state_dict"] = str(e)
+        runs[sparsity] = out
+    return runs
 
 
 def _flat_run(rank, world, steps, clip):
@@ -80,22 +85,18 @@ def _flat_run(rank, world, steps, clip):
     return {"params": _full(model), "norms": norms}
 
 
-def test_dense_equals_flat_dense_on_the_data_parallel_ranks():
+def test_dense_equals_flat_dense_and_sparse_replicas_agree():
     steps, clip = 6, 0.5
-    tp = run_ranks(_tp_run, 4, 0.0, steps, clip, True, timeout=240)
+    both = run_ranks(_tp_run, 4, steps, clip, timeout=240)
     flat = run_ranks(_flat_run, 2, steps, clip, timeout=240)
+    tp = [b[0.0] for b in both]
     assert tp[0]["buckets"] == [0.5, 1.0]  # the Rowwise bias, replicated over tp, apart
     for r in range(4):
         assert tp[r]["params"] == tp[0]["params"], f"rank {r} differs"
         assert tp[r]["norms"] == pytest.approx(flat[0]["norms"], rel=1e-5)
         assert "placements" in tp[r]["state_dict"] and "tensor parallel" in tp[r]["state_dict"]
+        assert both[r][0.99]["params"] == both[0][0.99]["params"], f"0.99: rank {r} differs"
     assert max(flat[0]["norms"]) > clip, "clipping never engaged"
     for k, v in flat[0]["params"].items():
         diff = (torch.tensor(tp[0]["params"][k]) - torch.tensor(v)).abs().max().item()
         assert diff <= 1e-6, (k, diff)
-
-
-def test_sparse_replicas_agree():
-    tp = run_ranks(_tp_run, 4, 0.99, 12, None, False, timeout=240)
-    for r in range(4):
-        assert tp[r]["params"] == tp[0]["params"], f"rank {r} differs"
