@@ -454,6 +454,64 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return report
 
 
+# -- threads or processes (the choice, measured on the CPU) ----------------------------------
+def _process_rank(rank: int, world: int, configs: list[dict[str, Any]],
+                  corpus_names: tuple[str, ...]) -> list[list[dict[str, Any]]]:
+    from scape.comm import TorchCommunicator
+
+    comm = TorchCommunicator(timeout=300.0)
+    corpus = load_packages(corpus_names)
+    return [train_rank(rank, comm, c, corpus).get("records", []) for c in configs]
+
+
+def _thread_rank(rank: int, comm: Any, configs: list[dict[str, Any]],
+                 corpus: Corpus) -> list[list[dict[str, Any]]]:
+    return [train_rank(rank, comm, c, corpus).get("records", []) for c in configs]
+
+
+def threads_vs_processes(out: Path, world: int = 8, steps: int = 30, reps: int = 2
+                         ) -> dict[str, Any]:
+    """W ranks as threads (:class:`InProcessGroup`) against W gloo processes (the engine's
+    launcher, one torch thread each) on the CPU, the same :func:`train_rank`: dense and
+    SCAPE-0.99 (5 dense warm-up steps), ``tiny`` and ``small``, repetitions interleaved; the
+    median step of the last two thirds on rank 0 and each launch's wall time."""
+    from bench.engine.launch import Ranks, launch
+
+    torch.set_num_threads(1)
+    names = PRESETS["smoke"].corpus
+    corpus = load_packages(names)
+    results: dict[str, list[dict[str, float]]] = {}
+    for model, seq in (("tiny", 64), ("small", 128)):
+        p = dataclasses.replace(PRESETS["smoke"], model=model, world=world, seq=seq,
+                                eval_every=10 * steps)
+        configs = [dataclasses.asdict(run_config(f"s{s}", s, p, steps, "cpu",
+                                                 {"warmup_steps": 5})) for s in (0.0, 0.99)]
+        for _ in range(reps):
+            for kind in ("threads", "processes"):
+                t0 = time.perf_counter()
+                if kind == "threads":
+                    recs = run_threads(_thread_rank, world, configs, corpus)[0]
+                else:
+                    outcomes = launch(_process_rank, Ranks(world=world, timeout_s=900,
+                                                           threads=1, label=kind),
+                                      configs, names)
+                    bad = [o.error for o in outcomes if not o.ok]
+                    if bad:
+                        raise RuntimeError(f"a process rank failed: {bad[0]}")
+                    recs = outcomes[0].result
+                wall = time.perf_counter() - t0
+                med = [statistics.median(r["step_s"] for r in rs[steps // 3:]) for rs in recs]
+                row = {"wall_s": wall, "dense_step_s": med[0], "scape_0.99_step_s": med[1]}
+                results.setdefault(f"{model}/{kind}", []).append(row)
+                print(f"{model:6} {kind:9} launch to results {wall:6.1f} s, step: dense "
+                      f"{med[0] * 1e3:6.1f} ms, SCAPE-0.99 {med[1] * 1e3:6.1f} ms", flush=True)
+    report = {"schema": "scape.gpu_ranks/1", "world": world, "steps": steps,
+              "environment": _environment("cpu"), "results": results}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "threads_vs_processes.json").write_text(json.dumps(report, indent=1))
+    return report
+
+
 def _load(path: Path) -> dict[str, Any] | None:
     try:
         data = json.loads(path.read_text())
@@ -470,7 +528,14 @@ def main(argv: list[str] | None = None) -> None:
                     help="device seconds for the whole command (default 480; smoke 120)")
     ap.add_argument("--steps", type=int, default=None, help="target steps (default 1000)")
     ap.add_argument("--world", type=int, default=None, help="ranks (default 8)")
-    run(ap.parse_args(argv))
+    ap.add_argument("--threads-vs-processes", action="store_true",
+                    help="measure W=8 ranks as threads against gloo processes on the CPU "
+                         "(the choice of threads; writes OUT/threads_vs_processes.json)")
+    args = ap.parse_args(argv)
+    if args.threads_vs_processes:
+        threads_vs_processes(Path(args.out))
+    else:
+        run(args)
 
 
 if __name__ == "__main__":
