@@ -270,6 +270,22 @@ def calibrate(p: Preset, corpus: Corpus, device: str) -> dict[str, float]:
             "setup_s": max(0.0, wall - res["train_wall_s"]), "wall_s": wall}
 
 
+def prewarm(corpus: Corpus, device: str = "cuda") -> None:
+    """Compile the Triton kernels of a SCAPE step in one thread (the tiny model, W=1), before
+    W threads run them."""
+    p = dataclasses.replace(PRESETS["smoke"], world=1, eval_every=100)
+    cfg = run_config("prewarm", 0.99, p, 3, device, {"warmup_steps": 1})
+    run_threads(train_rank, 1, dataclasses.asdict(cfg), corpus, device=device)
+
+
+def _out_of_memory(e: BaseException | None) -> bool:
+    while e is not None:
+        if isinstance(e, torch.cuda.OutOfMemoryError) or "out of memory" in str(e):
+            return True
+        e = e.__cause__
+    return False
+
+
 def plan_steps(p: Preset, cal: dict[str, float], budget_s: float, rows: int,
                spent_s: float) -> dict[str, Any]:
     """The steps per optimizer: the target, scaled down to the budget (never up)."""
@@ -371,8 +387,46 @@ def write_report(out: Path, report: dict[str, Any]) -> None:
              "network). A step here is the work of all W ranks on one device."]
     (out / "report.md").write_text("\n".join(lines) + "\n")
     if any(r["val_curve"] for r in rows):
-        plot_loss(rows, str(out / "loss.png"), title=f"{report['preset']['model']}, "
-                  f"W={report['preset']['world']} on one device")
+        if not plot_loss(rows, str(out / "loss.png"), title=f"{report['preset']['model']}, "
+                         f"W={report['preset']['world']} on one device"):
+            plain_plot(rows, out / "loss.png")
+
+
+def plain_plot(rows: list[dict[str, Any]], path: Path, w: int = 640, h: int = 400) -> None:
+    """loss.png without matplotlib (a machine without it): each row's validation curve as a
+    line on white, x from 0 to the last step, y from the lowest to the highest loss; colours
+    in row order (black, red, blue, green)."""
+    import struct
+    import zlib
+
+    img = torch.full((h, w, 3), 255, dtype=torch.uint8)
+    img[h - 21, 20:w - 10] = 0  # the axes
+    img[10:h - 20, 20] = 0
+    curves = [r["val_curve"] for r in rows if r["val_curve"]]
+    xs = [c[0] for cv in curves for c in cv]
+    ys = [c[1] for cv in curves for c in cv]
+    x1, y0, y1 = max(xs), min(ys), max(ys) if max(ys) > min(ys) else min(ys) + 1
+
+    def px(c: list[float]) -> tuple[float, float]:
+        return 21 + (w - 32) * c[0] / x1, (h - 22) - (h - 32) * (c[1] - y0) / (y1 - y0)
+
+    colours = [(0, 0, 0), (220, 30, 30), (30, 60, 220), (20, 150, 40)]
+    for i, cv in enumerate(curves):
+        pts = [px(c) for c in cv]
+        for (xa, ya), (xb, yb) in zip(pts, pts[1:] or pts):
+            for t in torch.linspace(0, 1, 200).tolist():
+                x, y = int(xa + t * (xb - xa)), int(ya + t * (yb - ya))
+                img[max(0, y - 1):y + 2, max(0, x - 1):x + 2] = torch.tensor(colours[i % 4],
+                                                                             dtype=torch.uint8)
+    raw = b"".join(b"\x00" + img[y].numpy().tobytes() for y in range(h))
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(
+            ">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+
+    header = struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0)  # 8-bit RGB
+    path.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header)
+                     + chunk(b"IDAT", zlib.compress(raw)) + chunk(b"IEND", b""))
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -411,10 +465,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if previous is not None and previous.get("key") == key \
             and previous["corpus"]["val_sha256"] == record["val_sha256"]:
         plan, rows = previous["plan"], previous["rows"]
+        preset = dataclasses.replace(preset, batch=plan["batch"])
         print(f"plan: resumed from {out / 'report.json'} ({len(rows)} rows done)", flush=True)
     else:
-        cal = calibrate(preset, corpus, device)
+        if device == "cuda":
+            prewarm(corpus)
+        while True:
+            try:
+                cal = calibrate(preset, corpus, device)
+                break
+            except RuntimeError as e:  # out of memory: half the batch per rank
+                if preset.batch == 1 or not _out_of_memory(e):
+                    raise
+                preset = dataclasses.replace(preset, batch=preset.batch // 2)
+                print(f"plan: out of device memory in the calibration; {preset.batch} "
+                      f"sequences per rank", flush=True)
         plan = plan_steps(preset, cal, budget, len(ROWS), time.monotonic() - t_start)
+        plan["batch"] = preset.batch
         plan["text"] = (f"{plan['steps']:,} steps x {len(ROWS)} optimizers, "
                         f"{plan['tokens_per_optimizer'] / 1e6:.2f}M tokens each"
                         + (f" (scaled down from {plan['target_steps']:,} by the budget)"
