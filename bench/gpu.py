@@ -502,7 +502,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if any(r["name"] == name for r in rows):
             print(f"[{name}] done before, kept", flush=True)
             continue
-        cfg = run_config(name, sparsity, preset, plan["steps"], device)
+        every = min(preset.eval_every, max(1, plan["steps"] // 10))  # 10 points at least
+        cfg = run_config(name, sparsity, dataclasses.replace(preset, eval_every=every),
+                         plan["steps"], device)
         t0 = time.monotonic()
         res = _threads_run(cfg, corpus, preset.timed_steps, t0 + 1.5 * share)
         row = summarize(name, sparsity, res, cfg)

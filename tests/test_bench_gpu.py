@@ -19,7 +19,7 @@ import torch
 from dist import run_ranks
 
 from bench.engine.inprocess import InProcessGroup, run_threads
-from bench.gpu import PRESETS, run_config, train_rank
+from bench.gpu import PRESETS, plain_plot, plan_steps, run_config, train_rank
 from bench.workloads.data import load_packages
 from scape.comm import CommError
 
@@ -139,3 +139,21 @@ def test_smoke_end_to_end(tmp_path):
                            cwd=ROOT, env=env, timeout=60, capture_output=True, text=True)
     assert again.returncode == 0, again.stdout + again.stderr
     assert again.stdout.count("done before, kept") == 3, again.stdout
+
+
+def test_the_plan_scales_steps_down_to_the_budget_never_up():
+    p = PRESETS["gpu"]
+    cal = {"step_s": 0.2, "eval_s": 1.0, "setup_s": 10.0, "wall_s": 12.0}
+    roomy = plan_steps(p, cal, budget_s=10_000, rows=3, spent_s=0)
+    assert roomy["target_steps"] == roomy["steps"] == 1000 and not roomy["scaled_down"]
+    assert roomy["tokens_per_optimizer"] == 1000 * 8 * 4 * 1024 >= 30_000_000
+    tight = plan_steps(p, cal, budget_s=400, rows=3, spent_s=30)
+    assert tight["scaled_down"] and 100 < tight["steps"] < 1000
+    assert tight["estimated_s"] <= 400 - 30
+
+
+def test_loss_png_without_matplotlib(tmp_path):
+    rows = [{"val_curve": [[10, 5.0], [20, 4.0]]}, {"val_curve": [[10, 5.1], [20, 4.4]]}]
+    plain_plot(rows, tmp_path / "loss.png")
+    data = (tmp_path / "loss.png").read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR"
