@@ -315,14 +315,16 @@ def _environment(device: str) -> dict[str, Any]:
         except (OSError, subprocess.SubprocessError):
             return None
 
-    versions = {}
-    for name in ("torch", "triton", "transformers", "jax", "cupy", "numpy"):
-        try:
-            from importlib.metadata import version
+    from importlib.metadata import packages_distributions, version
 
-            versions[name] = version(name)
-        except Exception:  # noqa: BLE001 - absent or unreadable: not recorded
-            continue
+    versions = {}
+    dists = packages_distributions()
+    for name in CORPUS_PACKAGES:  # (distribution names: cupy is cupy-cuda12x, ...)
+        for dist in dists.get(name, []):
+            try:
+                versions[dist] = version(dist)
+            except Exception:  # noqa: BLE001 - unreadable metadata: not recorded
+                continue
     return {"platform": platform.platform(), "python": platform.python_version(),
             "cpus": os.cpu_count(), "device": device,
             "device_name": torch.cuda.get_device_name() if device == "cuda" else "cpu",
