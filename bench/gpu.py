@@ -28,8 +28,8 @@ calibration (4 steps of all W ranks with SCAPE-0.99, one dense and three sparse,
 evaluation) measures the step; the steps
 are scaled down to what ``--budget-s`` (all of this command's device time) allows, never up,
 and the plan is printed: parameters, tokens, steps, estimated device seconds. An optimizer
-that overruns its share by half is stopped at its next evaluation (its row says
-``truncated``).
+that overruns its share by half, or the whole budget, is stopped at its next evaluation (its
+row says ``truncated``).
 
 **Step time.** After each optimizer's last evaluation, ``--timed-steps`` more steps (at the
 last lr) are timed phase by phase on all W ranks together: each phase ends with a device
@@ -355,10 +355,11 @@ def summarize(name: str, sparsity: float, res: dict[str, Any], cfg: RunConfig) -
 
 def write_report(out: Path, report: dict[str, Any]) -> None:
     rows = report["rows"]
-    dense = next((r["final_val_loss"] for r in rows if r["sparsity"] == 0), None)
-    for r in rows:
-        r["val_ratio_to_adams"] = (r["final_val_loss"] / dense
-                                   if dense and r["final_val_loss"] is not None else None)
+    dense = dict(next((map(tuple, r["val_curve"]) for r in rows if r["sparsity"] == 0), ()))
+    for r in rows:  # against dense AdamS at the row's last evaluation (a truncated row's too)
+        last = r["val_curve"][-1] if r["val_curve"] else None
+        r["val_ratio_to_adams"] = (last[1] / dense[last[0]]
+                                   if last is not None and last[0] in dense else None)
     tmp = out / "report.json.tmp"
     tmp.write_text(json.dumps(report, indent=1))
     tmp.replace(out / "report.json")
@@ -508,7 +509,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         cfg = run_config(name, sparsity, dataclasses.replace(preset, eval_every=every),
                          plan["steps"], device)
         t0 = time.monotonic()
-        res = _threads_run(cfg, corpus, preset.timed_steps, t0 + 1.5 * share)
+        # stop at the next evaluation past half again its share, or past the whole budget
+        deadline = min(t0 + 1.5 * share, t_start + budget)
+        res = _threads_run(cfg, corpus, preset.timed_steps, deadline)
         row = summarize(name, sparsity, res, cfg)
         row["wall_s"] = time.monotonic() - t0
         rows.append(row)
