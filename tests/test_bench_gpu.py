@@ -89,9 +89,13 @@ def _thread_rank(rank: int, comm, configs: list[dict]) -> list[torch.Tensor]:
 
 @pytest.mark.timeout(240)
 def test_threads_train_what_gloo_processes_train():
-    torch.set_num_threads(1)
     configs = _configs()
-    threads = run_threads(_thread_rank, 4, configs, timeout=120)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # (as each gloo process runs)
+    try:
+        threads = run_threads(_thread_rank, 4, configs, timeout=120)
+    finally:
+        torch.set_num_threads(before)
     procs = run_ranks(_gloo_rank, 4, configs, timeout=200)
     start = torch.cat([p.detach().reshape(-1) for p in
                        __import__("bench.workloads.llama", fromlist=["make_model"])
