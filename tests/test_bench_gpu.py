@@ -74,11 +74,12 @@ def _corpus():
     return load_packages(PRESETS["smoke"].corpus)
 
 
-def _gloo_rank(rank: int, world: int, configs: list[dict]) -> list[torch.Tensor]:
+def _gloo_rank(rank: int, world: int, configs: list[dict]) -> list:
     from scape.comm import TorchCommunicator
 
     comm = TorchCommunicator(timeout=60.0)
-    return [train_rank(rank, comm, cfg, _corpus(), return_params=True)["params"]
+    # numpy arrays: a tensor would travel as a file descriptor, lost if the rank exits first
+    return [train_rank(rank, comm, cfg, _corpus(), return_params=True)["params"].numpy()
             for cfg in configs]
 
 
@@ -96,7 +97,8 @@ def test_threads_train_what_gloo_processes_train():
         threads = run_threads(_thread_rank, 4, configs, timeout=120)
     finally:
         torch.set_num_threads(before)
-    procs = run_ranks(_gloo_rank, 4, configs, timeout=200)
+    procs = [[torch.from_numpy(a) for a in r] for r in run_ranks(_gloo_rank, 4, configs,
+                                                                  timeout=200)]
     start = torch.cat([p.detach().reshape(-1) for p in
                        __import__("bench.workloads.llama", fromlist=["make_model"])
                        .make_model("tiny").parameters()])
