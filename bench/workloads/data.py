@@ -14,6 +14,12 @@ path order and byte-tokenised into one ``uint8`` tensor. A single file (or a dir
 hash split would leave a side empty) is split by position instead: the last ``val_fraction``
 of its bytes is validation. ``Corpus.split_rule`` records which rule was used.
 
+``load_packages(names)`` reads the ``.py`` files of installed packages instead (``torch``,
+``transformers``, ...; a dotted name takes a subpackage), found at run time through
+``importlib`` without importing them; paths are relative to the directory holding the
+top-level package (``torch/nn/modules/linear.py``), so the split is the same wherever the
+packages are installed, and ``Corpus.record()`` says which files and bytes a run read.
+
 Nothing is cached on disk: reading the ~12 MB stdlib corpus takes well under a second, so a
 cache would only add invalidation problems. Within a process, :func:`load_corpus` memoises.
 
@@ -62,6 +68,13 @@ class Corpus:
     """Relative posix paths in the validation split (sorted); same as train for a tail split."""
     split_rule: str
     """``"path-hash"`` or ``"tail"``."""
+
+    def record(self) -> dict[str, object]:
+        """:meth:`summary` with the sha256 of each split's bytes (a validation split is the
+        same exactly when its digest is)."""
+        return {**self.summary(),
+                "train_sha256": hashlib.sha256(self.train.numpy().tobytes()).hexdigest(),
+                "val_sha256": hashlib.sha256(self.val.numpy().tobytes()).hexdigest()}
 
     def summary(self) -> dict[str, object]:
         return {"source": self.source, "split_rule": self.split_rule,
@@ -146,6 +159,52 @@ def load_corpus(path: str | None = None, val_fraction: float = 0.1) -> Corpus:
     cut = int(round(tokens.numel() * (1.0 - val_fraction)))
     return Corpus(tokens[:cut].clone(), tokens[cut:].clone(), str(root), tuple(names),
                   tuple(names), "tail")
+
+
+def package_root(name: str) -> tuple[Path, Path] | None:
+    """``(package directory, the directory its paths are relative to)`` of the installed
+    package ``name`` (dotted: a subpackage), found without importing it; None when absent."""
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    pkg = Path(next(iter(spec.submodule_search_locations)))
+    return pkg, pkg.parents[name.count(".")]
+
+
+@functools.lru_cache(maxsize=4)
+def load_packages(names: tuple[str, ...], val_fraction: float = 0.1) -> Corpus:
+    """The ``.py`` files of the installed packages ``names`` (those absent are skipped; none
+    found is a ``ValueError``), test directories left out as for the standard library, split by
+    :func:`is_validation` of the path relative to the package's parent (``torch/...``)."""
+    if not 0.0 < val_fraction < 1.0:
+        raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction!r}")
+    texts: dict[str, bytes] = {}
+    roots = []
+    for name in names:
+        found = package_root(name)
+        if found is None:
+            continue
+        pkg, base = found
+        roots.append(str(pkg))
+        for f in _stdlib_files(pkg):
+            data = _read_text(f)
+            if data:
+                texts[f.relative_to(base).as_posix()] = data
+    if not texts:
+        raise ValueError(f"none of the packages {list(names)} is installed with .py sources")
+    all_names = sorted(texts)
+    val_names = [n for n in all_names if is_validation(n, val_fraction)]
+    train_names = [n for n in all_names if not is_validation(n, val_fraction)]
+    if not val_names or not train_names:
+        raise ValueError(f"packages {list(names)}: {len(all_names)} files leave a split empty")
+    return Corpus(_to_tensor([texts[n] for n in train_names]),
+                  _to_tensor([texts[n] for n in val_names]), " ".join(roots),
+                  tuple(train_names), tuple(val_names), "path-hash")
 
 
 def _check_tokens(tokens: torch.Tensor, seq: int, name: str) -> None:

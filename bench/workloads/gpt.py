@@ -81,6 +81,9 @@ PRESETS: dict[str, GPTConfig] = {
     "small-untied": GPTConfig(d_model=128, n_layers=4, n_heads=4, seq_len=128, tie_head=False),
     # ~3.2M parameters: a larger run when time allows.
     "base": GPTConfig(d_model=256, n_layers=4, n_heads=8, seq_len=256),
+    # ~114M parameters: GPT-2-small's width and heads with 16 layers (12 give 86M with the byte
+    # vocabulary), context 1024: the workload of W ranks on one GPU (python -m bench.gpu).
+    "gpu": GPTConfig(d_model=768, n_layers=16, n_heads=12, seq_len=1024),
     # ~303M parameters: GPT-2-medium's (GPT-345M's) shape with the byte vocabulary, for
     # optimizer-step timings on a GPU (bench.step_compute --device cuda); not for CPU training.
     "medium": GPTConfig(d_model=1024, n_layers=24, n_heads=16, seq_len=1024),
