@@ -57,13 +57,13 @@ def test_every_entry_builds_and_trains_a_step(name):
 
 
 def test_table_traits():
-    assert set(OPTIMIZERS) == {"adamw_ddp", "dist_adamw", "adams", "scape", "topk",
-                               "compute_only", "sparseloco", "diloco"}
+    assert set(OPTIMIZERS) == {"adamw_ddp", "hsdp_adamw", "dist_adamw", "adams", "scape",
+                               "topk", "compute_only", "sparseloco", "diloco"}
     assert LOCAL_STEPS == ("sparseloco", "diloco")
     assert [n for n, e in OPTIMIZERS.items() if e.sparse] == ["scape", "topk", "compute_only"]
     assert [n for n, e in OPTIMIZERS.items() if e.group_sparsity] == ["scape", "compute_only"]
     assert {n: e.comm for n, e in OPTIMIZERS.items() if e.comm != "torch"} == {
-        "adamw_ddp": "ddp", "compute_only": "null"}
+        "adamw_ddp": "ddp", "hsdp_adamw": "hsdp", "compute_only": "null"}
 
 
 @pytest.mark.parametrize("key", list(REMOVED_KWARGS))
