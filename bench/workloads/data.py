@@ -149,12 +149,9 @@ def load_corpus(path: str | None = None, val_fraction: float = 0.1) -> Corpus:
     if not texts:
         raise ValueError(f"no UTF-8 text files found under {str(root)!r}")
     names = sorted(texts)
-    val_names = [n for n in names if is_validation(n, val_fraction)]
-    train_names = [n for n in names if not is_validation(n, val_fraction)]
-    if val_names and train_names:
-        return Corpus(_to_tensor([texts[n] for n in train_names]),
-                      _to_tensor([texts[n] for n in val_names]), str(root),
-                      tuple(train_names), tuple(val_names), "path-hash")
+    split = _path_hash_split(texts, val_fraction, str(root))
+    if split is not None:
+        return split
     tokens = _to_tensor([texts[n] for n in names])
     cut = int(round(tokens.numel() * (1.0 - val_fraction)))
     return Corpus(tokens[:cut].clone(), tokens[cut:].clone(), str(root), tuple(names),
@@ -197,13 +194,23 @@ def load_packages(names: tuple[str, ...], val_fraction: float = 0.1) -> Corpus:
                 texts[f.relative_to(base).as_posix()] = data
     if not texts:
         raise ValueError(f"none of the packages {list(names)} is installed with .py sources")
-    all_names = sorted(texts)
-    val_names = [n for n in all_names if is_validation(n, val_fraction)]
-    train_names = [n for n in all_names if not is_validation(n, val_fraction)]
+    split = _path_hash_split(texts, val_fraction, " ".join(roots))
+    if split is None:
+        raise ValueError(f"packages {list(names)}: {len(texts)} files leave a split empty")
+    return split
+
+
+def _path_hash_split(texts: dict[str, bytes], val_fraction: float, source: str
+                     ) -> Corpus | None:
+    """``texts`` (relative path -> bytes) split by :func:`is_validation` of the path, in path
+    order; None when one side would be empty."""
+    names = sorted(texts)
+    val_names = [n for n in names if is_validation(n, val_fraction)]
+    train_names = [n for n in names if not is_validation(n, val_fraction)]
     if not val_names or not train_names:
-        raise ValueError(f"packages {list(names)}: {len(all_names)} files leave a split empty")
+        return None
     return Corpus(_to_tensor([texts[n] for n in train_names]),
-                  _to_tensor([texts[n] for n in val_names]), " ".join(roots),
+                  _to_tensor([texts[n] for n in val_names]), source,
                   tuple(train_names), tuple(val_names), "path-hash")
 
 
