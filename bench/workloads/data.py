@@ -57,9 +57,9 @@ class Corpus:
     """Byte-tokenised train and validation splits of one source."""
 
     train: torch.Tensor
-    """uint8 tokens of the training split."""
+    """Tokens of the training split: uint8 bytes, or int16 ids of a learned vocabulary."""
     val: torch.Tensor
-    """uint8 tokens of the validation split."""
+    """Tokens of the validation split (the training split's dtype)."""
     source: str
     """Root the files were read from."""
     train_files: tuple[str, ...]
@@ -214,9 +214,15 @@ def _path_hash_split(texts: dict[str, bytes], val_fraction: float, source: str
                   tuple(train_names), tuple(val_names), "path-hash")
 
 
+TOKEN_DTYPES = (torch.uint8, torch.int16)
+"""Token dtypes of a :class:`Corpus`: bytes, or the ids of a learned vocabulary
+(:mod:`bench.workloads.headers`)."""
+
+
 def _check_tokens(tokens: torch.Tensor, seq: int, name: str) -> None:
-    if not isinstance(tokens, torch.Tensor) or tokens.dtype != torch.uint8 or tokens.ndim != 1:
-        raise TypeError(f"{name} must be a 1-D uint8 tensor, got "
+    if not isinstance(tokens, torch.Tensor) or tokens.dtype not in TOKEN_DTYPES \
+            or tokens.ndim != 1:
+        raise TypeError(f"{name} must be a 1-D uint8 (bytes) or int16 (token ids) tensor, got "
                         f"{getattr(tokens, 'dtype', type(tokens).__name__)}")
     if tokens.numel() < seq + 1:
         raise ValueError(f"{name} has {tokens.numel()} tokens, need at least seq+1={seq + 1}")

@@ -54,7 +54,7 @@ class GPTConfig:
     bias: bool = False
     """Biases in the linear layers and LayerNorm shifts."""
     vocab_size: int = VOCAB_SIZE
-    """Byte-level vocabulary."""
+    """Tokens in the vocabulary (256: the bytes)."""
     tie_head: bool = True
     """The output head shares the token embedding's matrix; ``False``: its own matrix."""
 
@@ -79,6 +79,10 @@ PRESETS: dict[str, GPTConfig] = {
     "small": GPTConfig(d_model=128, n_layers=4, n_heads=4, seq_len=128),
     # The same with an untied head (+32,768 parameters): which end of the model needs bytes.
     "small-untied": GPTConfig(d_model=128, n_layers=4, n_heads=4, seq_len=128, tie_head=False),
+    # ~1.34M parameters: the third workload's model (bench.workloads.headers): a learned BPE
+    # vocabulary of 2,048 tokens and an untied head, the shape of "small" otherwise.
+    "small-bpe": GPTConfig(d_model=128, n_layers=4, n_heads=4, seq_len=128, vocab_size=2048,
+                           tie_head=False),
     # ~3.2M parameters: a larger run when time allows.
     "base": GPTConfig(d_model=256, n_layers=4, n_heads=8, seq_len=256),
     # ~114M parameters: GPT-2-small's width and heads with 16 layers (12 give 86M with the byte

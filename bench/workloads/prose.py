@@ -120,9 +120,16 @@ def load_prose(val_fraction: float = 0.1) -> Corpus:
 
 
 def load(data: str | None) -> Corpus:
-    """``RunConfig.data``'s corpus: this one for :data:`NAME`, else
+    """``RunConfig.data``'s corpus: this one for :data:`NAME`, the torch headers under a BPE
+    vocabulary for :data:`bench.workloads.headers.NAME`, else
     :func:`bench.workloads.data.load_corpus` (the standard library, or a path)."""
-    return load_prose() if data == NAME else load_corpus(data)
+    from bench.workloads import headers
+
+    if data == NAME:
+        return load_prose()
+    if data == headers.NAME:
+        return headers.load_headers()
+    return load_corpus(data)
 
 
 def main(argv: list[str] | None = None) -> None:
