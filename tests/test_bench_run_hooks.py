@@ -89,3 +89,58 @@ def test_plugins_are_the_default_imports(monkeypatch):
     monkeypatch.setattr(run_config, "PLUGINS", ["json"])
     assert RunConfig().imports == ["json"]
     assert RunConfig.from_dict({}).imports == []  # a config as written names its own
+
+
+RECORDER = '''
+class Recorder:
+    """Records when the loop calls it; splits the one group in two through param_groups."""
+
+    def __init__(self, cfg, module, opt, tag="r"):
+        self.opt, self.calls = opt, []
+
+    @staticmethod
+    def param_groups(cfg, module, groups, tag="r"):
+        (g,) = groups
+        return [dict(g, params=[p for p in g["params"] if p.ndim == 2]),
+                dict(g, params=[p for p in g["params"] if p.ndim != 2])]
+
+    def before_step(self, step):
+        self.calls.append(("before_step", step))
+
+    def after_backward(self, step):
+        grads = [p.grad for g in self.opt.param_groups for p in g["params"]]
+        self.calls.append(("after_backward", step, all(g is not None for g in grads)))
+
+    def after_step(self, step):
+        self.calls.append(("after_step", step))
+
+    def result(self):
+        return {"calls": self.calls, "groups": len(self.opt.param_groups)}
+'''
+
+
+@pytest.mark.timeout(120)
+def test_the_loop_calls_every_hook_point_in_order_on_one_rank(tmp_path, monkeypatch):
+    """One rank (W=1) of the engine's loop on a workload of its own (``RunConfig.workload``):
+    each hook's ``param_groups`` before the optimizer is built, then per step ``before_step``,
+    ``after_backward`` (the gradients there, before ``opt.step()``), ``after_step``; its
+    ``result()`` comes back under ``"hooks"``."""
+    from bench.engine.runner import run
+
+    (tmp_path / "bench_test_recorder.py").write_text(RECORDER)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    res = run(RunConfig(optimizer="adams", sparsity=0.0, world=1, steps=3, eval_every=3,
+                        workload="bench.research.lr_stability:Regression", one_group=True,
+                        weight_decay=0.0, hooks={"bench_test_recorder:Recorder": {}},
+                        threads=1, log_every=0, timeout_s=100.0, attach=False, imports=[]))
+    calls = res["hooks"]["bench_test_recorder:Recorder"]["calls"]
+    assert res["hooks"]["bench_test_recorder:Recorder"]["groups"] == 2
+    assert calls == [c for s in range(3) for c in (("before_step", s),
+                                                   ("after_backward", s, True),
+                                                   ("after_step", s))]
+    assert len(res["train_curve"]) == 3 and res["final_val_loss"] > 0
+    assert [s for s, _ in res["val_curve"]] == [3]
+    with pytest.raises(ValueError, match="RunConfig.workload"):
+        RunConfig(workload="bench_no_such_module:W")
+    with pytest.raises(TypeError, match="RunConfig.attach must be a bool"):
+        RunConfig(attach=1)  # type: ignore[arg-type]

@@ -50,7 +50,8 @@ RUN_KEYS = {"schema", "name", "config", "optimizer_settings", "params", "final_v
             "val_curve", "train_curve",
             "timing_window", "median_step_s", "median_wait_s", "median_compute_s",
             "median_compute_s_by_rank", "step_s", "bytes_per_step", "bytes_per_step_total",
-            "bytes_per_step_mean_all_steps", "dense_steps", "phases", "wall_s", "train_wall_s",
+            "bytes_per_step_mean_all_steps", "bytes_by_step", "bytes_last_step", "dense_steps",
+            "phases", "hooks", "wall_s", "train_wall_s",
             "param_sha256", "param_sha256_ranks_agree", "n_pad", "device", "max_rss_mb_by_rank",
             "link_tx_per_step_by_node"}
 QUALITY_ROWS = ["adams", "adamw_ddp", "scape-0.9", "scape-0.99", "topk-0.99"]

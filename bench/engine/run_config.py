@@ -64,13 +64,28 @@ class RunConfig:
     hooks they define in ``hooks`` (default: :data:`PLUGINS`)."""
     hooks: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
     """``{"package.module:factory": kwargs}``: each rank calls ``factory(cfg, module, opt,
-    **kwargs)`` once its optimizer is built and calls the object returned each step:
-    ``before_step(step)`` once the step's lr is set, ``after_step(step)`` after
-    ``opt.step()`` (either may be absent). A factory's ``check(cfg, **kwargs)``, where it has
-    one, runs on construction, before launch. {}: none."""
+    **kwargs)`` once its optimizer is built and calls the object returned each step, in the
+    order of this dict: ``before_step(step)`` once the step's lr is set,
+    ``after_backward(step)`` after the step's last backward pass and before ``opt.step()``,
+    ``after_step(step)`` after ``opt.step()`` (any may be absent); at the end of the run the
+    object's ``result()``, where it has one, goes into the run's result under ``"hooks"``
+    (JSON-able). A factory's ``check(cfg, **kwargs)``, where it has one, runs on construction,
+    before launch; its ``param_groups(cfg, module, groups, **kwargs)``, where it has one,
+    returns the param groups the optimizer is built over (in place of ``groups``). {}: none."""
+    attach: bool = True
+    """Give the optimizer the model (``opt.attach(model)``, where it has ``attach``): the
+    parameter all-gather completes at the next forward, and ``update="early"`` sets the
+    embedding matrices apart. False: ``step()`` completes it before it returns, and no
+    embeddings are set apart (the convergence ablation's rows)."""
     model: str = "small"
     """:mod:`bench.workloads.gpt` preset (``tiny``, ``small``, ``base``) or
     :mod:`bench.workloads.llama` preset."""
+    workload: str | None = None
+    """``"package.module:factory"``: ``factory(cfg)`` builds what each rank trains in place of
+    :attr:`model` on :attr:`data`: an object with ``model()`` (a module with ``loss(x, y)``),
+    ``batch(index, rank, world)`` (rank's share of micro-batch ``index``, ``(x, y)``) and
+    ``val_loss(module)``; with it, ``model``, ``data``, ``seq`` and ``batch`` are the factory's
+    to read or ignore. None: the language model :attr:`model` on :attr:`data`."""
     world: int = 4
     """Number of ranks (processes)."""
     steps: int = 100
@@ -216,6 +231,10 @@ class RunConfig:
                              f"(e.g. small-untied); the {self.model} preset ties its head to "
                              f"the token embedding")
 
+        if not isinstance(self.attach, bool):
+            raise TypeError(f"RunConfig.attach must be a bool, got {self.attach!r}")
+        if self.workload is not None:
+            hook_factory(self.workload, "workload")  # importable, before launch
         for path, kwargs in self.hooks.items():
             if not isinstance(kwargs, dict):
                 raise TypeError(f"RunConfig.hooks[{path!r}] must be a dict of keyword "
@@ -276,19 +295,19 @@ def lr_at(step: int, cfg: RunConfig) -> float:
     return cfg.lr * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * t)))
 
 
-def hook_factory(path: str) -> Callable[..., Any]:
-    """The callable ``"package.module:name"`` names (:attr:`RunConfig.hooks`); ValueError
-    where it names none."""
-    module, sep, name = path.partition(":")
+def hook_factory(path: str, field: str = "hooks") -> Callable[..., Any]:
+    """The callable ``"package.module:name"`` names (:attr:`RunConfig.hooks`,
+    :attr:`RunConfig.workload`); ValueError where it names none."""
+    module, sep, name = path.partition(":") if isinstance(path, str) else ("", "", "")
     if not sep or not module or not name:
-        raise ValueError(f"RunConfig.hooks: {path!r} must read 'package.module:factory'")
+        raise ValueError(f"RunConfig.{field}: {path!r} must read 'package.module:factory'")
     try:
         factory = getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError) as e:
-        raise ValueError(f"RunConfig.hooks: {path!r} names no importable callable: {e}") \
+        raise ValueError(f"RunConfig.{field}: {path!r} names no importable callable: {e}") \
             from None
     if not callable(factory):
-        raise ValueError(f"RunConfig.hooks: {path!r} is not callable")
+        raise ValueError(f"RunConfig.{field}: {path!r} is not callable")
     return factory
 
 

@@ -29,6 +29,35 @@ from scape import SparsityRamp
 from scape.comm import HierarchicalCommunicator, TorchCommunicator
 
 
+class LanguageModel:
+    """The run's workload unless :attr:`RunConfig.workload` names another: the preset
+    :attr:`RunConfig.model` on the corpus :attr:`RunConfig.data`, each rank fed its share of
+    the global batch (:func:`bench.workloads.data.batch_at`), validated on the corpus's fixed
+    held-out windows (:func:`bench.workloads.data.eval_loss`)."""
+
+    def __init__(self, cfg: RunConfig, device: torch.device) -> None:
+        self.cfg, self.device = cfg, device
+        self.corpus = load(cfg.data)
+
+    def model(self) -> torch.nn.Module:
+        return make_model(self.cfg.model, seed=self.cfg.seed)
+
+    def batch(self, index: int, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return batch_at(self.corpus.train, index, self.cfg.batch * world, self.cfg.seq_len,
+                        self.cfg.seed, rank, world)
+
+    def val_loss(self, module: torch.nn.Module) -> float:
+        return eval_loss(module, self.corpus.val, self.cfg.seq_len, n_seqs=self.cfg.eval_seqs,
+                         device=self.device)
+
+
+def make_workload(cfg: RunConfig, device: torch.device) -> Any:
+    """:attr:`RunConfig.workload`'s object, or the :class:`LanguageModel`."""
+    if cfg.workload is None:
+        return LanguageModel(cfg, device)
+    return hook_factory(cfg.workload, "workload")(cfg)
+
+
 def make_groups(module: torch.nn.Module, cfg: RunConfig) -> list[dict[str, Any]]:
     """The optimizer's param groups (without names): :func:`bench.workloads.gpt.param_groups`, or
     with ``one_group`` every parameter in one group decayed by ``weight_decay``; ``one_group`` with
@@ -44,16 +73,16 @@ def make_groups(module: torch.nn.Module, cfg: RunConfig) -> list[dict[str, Any]]
     return groups
 
 
-def _build(cfg: RunConfig, rank: int, world: int, device: torch.device
+def _build(cfg: RunConfig, rank: int, world: int, device: torch.device, module: torch.nn.Module
            ) -> tuple[Any, Any, Any, torch.nn.Module]:
     """``(model_to_call, optimizer, counter, module)``: counter has ``stats`` and ``wait_s``."""
-    module = make_model(cfg.model, seed=cfg.seed).to(device)
+    module = module.to(device)
     entry = OPTIMIZERS[cfg.optimizer]
     spec = Spec(lr=cfg.lr, betas=cfg.betas, sparsity=cfg.sparsity,
                 kwargs=dict(cfg.optimizer_kwargs))
     if cfg.fsdp2:
         return _build_fsdp2(cfg, world, device, module, spec)
-    groups = make_groups(module, cfg)
+    groups = _hooked_groups(cfg, module, make_groups(module, cfg))
     if entry.comm == "ddp":
         counter = DDPCounter(world)
         ddp = DDP(module, device_ids=None if device.type == "cpu" else [device.index])
@@ -67,7 +96,7 @@ def _build(cfg: RunConfig, rank: int, world: int, device: torch.device
             else TorchCommunicator(timeout=cfg.timeout_s)
         comm = timed_communicator(inner)
     opt: Any = build(cfg.optimizer, groups, spec, comm)
-    if hasattr(opt, "attach"):
+    if cfg.attach and hasattr(opt, "attach"):
         opt.attach(module)
     return module, opt, _Levels(comm) if isinstance(comm, HierarchicalCommunicator) else comm, \
         module
@@ -88,15 +117,25 @@ def _build_fsdp2(cfg: RunConfig, world: int, device: torch.device, module: torch
     for block in module.blocks:  # type: ignore[union-attr]
         fully_shard(block, mesh=over)
     fully_shard(module, mesh=over)
-    groups = make_groups(module, cfg)  # (the parameters fully_shard made)
+    groups = _hooked_groups(cfg, module, make_groups(module, cfg))  # (fully_shard's params)
     if hsdp:
         return module, build(cfg.optimizer, groups, spec), _Uncounted(), module
     comm = timed_communicator(TorchCommunicator(mesh["dp_replicate"].get_group(),
                                                 timeout=cfg.timeout_s))
     opt: Any = build(cfg.optimizer, groups, spec, comm)
-    if hasattr(opt, "attach"):
+    if cfg.attach and hasattr(opt, "attach"):
         opt.attach(module)
     return module, opt, comm, module
+
+
+def _hooked_groups(cfg: RunConfig, module: torch.nn.Module, groups: list[dict[str, Any]]
+                   ) -> list[dict[str, Any]]:
+    """``groups`` through each hook factory's ``param_groups`` (:attr:`RunConfig.hooks`)."""
+    for path, kw in cfg.hooks.items():
+        edit = getattr(hook_factory(path), "param_groups", None)
+        if edit is not None:
+            groups = edit(cfg, module, groups, **kw)
+    return groups
 
 
 class _Uncounted:
@@ -142,16 +181,17 @@ def rank_body(rank: int, world: int, cfg_dict: dict[str, Any]) -> dict[str, Any]
 
 
 def _train(cfg: RunConfig, rank: int, world: int) -> dict[str, Any]:
-    corpus = load(cfg.data)
+    """The training loop of every run, W >= 1."""
     device = torch.device("cuda", torch.cuda.current_device()) if cfg.device == "cuda" \
         else torch.device("cpu")
-    model, opt, counter, module = _build(cfg, rank, world, device)
-    hooks = [hook_factory(path)(cfg, module, opt, **kw) for path, kw in cfg.hooks.items()]
-    before = [h.before_step for h in hooks if hasattr(h, "before_step")]
-    after = [h.after_step for h in hooks if hasattr(h, "after_step")]
+    work = make_workload(cfg, device)
+    model, opt, counter, module = _build(cfg, rank, world, device, work.model())
+    hooks = {path: hook_factory(path)(cfg, module, opt, **kw) for path, kw in cfg.hooks.items()}
+    before = [h.before_step for h in hooks.values() if hasattr(h, "before_step")]
+    backward = [h.after_backward for h in hooks.values() if hasattr(h, "after_backward")]
+    after = [h.after_step for h in hooks.values() if hasattr(h, "after_step")]
     ramp = None if cfg.sparsity_ramp is None else SparsityRamp(
         opt, start=cfg.sparsity_ramp[0], ramp_steps=cfg.sparsity_ramp[1])  # writes step 1's
-    seq, global_batch = cfg.seq_len, cfg.batch * world
     prof, prof_steps = None, range(cfg.skip + 1, min(cfg.steps, cfg.skip + 4) + 1)
     records: list[dict[str, Any]] = []
     val_curve: list[tuple[int, float]] = []
@@ -168,9 +208,9 @@ def _train(cfg: RunConfig, rank: int, world: int) -> dict[str, Any]:
             # the ranks compete for the cores the same way; without this the floor's ranks
             # drift apart and a lone rank runs faster than any synchronized one could.
             dist.barrier()
-        batches = [tuple(t.to(device) for t in batch_at(
-            corpus.train, step * cfg.grad_accum + micro, global_batch, seq, cfg.seed, rank,
-            world)) for micro in range(cfg.grad_accum)]
+        batches = [tuple(t.to(device) for t in work.batch(step * cfg.grad_accum + micro, rank,
+                                                          world))
+                   for micro in range(cfg.grad_accum)]
         for g in opt.param_groups:
             g["lr"] = lr_at(step, cfg)
         for hook in before:  # RunConfig.hooks
@@ -187,6 +227,8 @@ def _train(cfg: RunConfig, rank: int, world: int) -> dict[str, Any]:
                 loss = module.loss(x, y) if model is module else _ddp_loss(model, x, y)
                 (loss / cfg.grad_accum).backward()
             loss_sum += loss.detach()
+        for hook in backward:
+            hook(step)
         opt.step()
         opt.zero_grad()
         if ramp is not None:  # the next step's sparsity, as an LR scheduler writes the lr
@@ -215,7 +257,7 @@ def _train(cfg: RunConfig, rank: int, world: int) -> dict[str, Any]:
             if hasattr(opt, "finish_param_sync"):
                 opt.finish_param_sync()
             if rank == 0 or cfg.fsdp2:  # (a sharded model's forward runs on every rank)
-                val = eval_loss(module, corpus.val, seq, n_seqs=cfg.eval_seqs, device=device)
+                val = work.val_loss(module)
                 if rank == 0:
                     val_curve.append((done, val))
             dist.barrier()
@@ -243,6 +285,7 @@ def _train(cfg: RunConfig, rank: int, world: int) -> dict[str, Any]:
             "wall_s": time.perf_counter() - started, "phases": phases,
             "optimizer_settings": settings, "param_sha256": param_digest(module),
             "n_pad": sum(b.n_pad for b in getattr(opt, "buckets", ())) or None,
+            "hooks": {path: h.result() for path, h in hooks.items() if hasattr(h, "result")},
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
 
 

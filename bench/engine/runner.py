@@ -131,6 +131,8 @@ def summarize(cfg: RunConfig, ranks: list[dict[str, Any]], wall_s: float) -> dic
         "bytes_per_step": bytes_steady,
         "bytes_per_step_total": sum(bytes_steady.values()),
         "bytes_per_step_mean_all_steps": sum(bytes_mean.values()),
+        "bytes_by_step": [sum(r["bytes"].values()) for r in r0["records"]],
+        "bytes_last_step": dict(r0["records"][-1]["bytes"]),
         "dense_steps": sum(1 for r in r0["records"] if r["dense"]),
         # two emulated nodes: per node (its first rank's reading), the bytes its end of the
         # link sent per step, median over the timed steps (the wire's own count)
@@ -138,6 +140,7 @@ def summarize(cfg: RunConfig, ranks: list[dict[str, Any]], wall_s: float) -> dic
             _median([float(r["link_tx"]) for r in rk["records"][window]])
             for rk in ranks[::cfg.world // cfg.nodes]] if cfg.node_netns else None,
         "phases": r0["phases"],
+        "hooks": r0.get("hooks", {}),
         "n_pad": r0.get("n_pad"),
         "max_rss_mb_by_rank": [rk.get("max_rss_mb") for rk in ranks],
         "device": r0.get("device", "cpu"),
