@@ -71,9 +71,9 @@ def test_convergence_group_sparsity_rows(tmp_path):
 
 
 def test_convergence_transform_rows(tmp_path):
-    """A transform-domain row is SCAPE on the rotated matrices: the same bytes as the plain
-    row, a different trajectory; the world check runs on the plain row (the runner does not
-    rotate)."""
+    """A transform-domain row is SCAPE on the rotated matrices (an engine hook): the same
+    bytes as the plain row, a different trajectory; the world check runs on the first sparse
+    row."""
     names = ["catchup_sqrt_accum", "catchup_sqrt_accum-dct64"]
     rep = _run("bench.research.convergence", str(tmp_path / "t.json"), "--lr", "0.003",
                "--no-dense", "--check-world", "2", "--variants", *names)
@@ -313,15 +313,13 @@ def test_convergence_ramp_rows():
     the runner's ramp over the same share of the run."""
     from bench.research.convergence import Workload, run_config, train
     from bench.research.rows import variants
-    from bench.workloads.data import load_corpus
 
     names = [v["name"] for v in variants([0.99], ["catchup_agree_trust2_accum-ramp0.9x0.2"])]
     assert names == ["catchup_agree_trust2_accum-ramp0.9x0.2@0.99"]
     w = Workload(model="tiny", steps=12, batch=4, seq=64, eval_every=12, eval_seqs=4, threads=1)
-    corpus = load_corpus()
     base = dict(name="r", sparsity=0.99, warmup_steps=2, lr=3e-3, update="catchup_sqrt_accum")
-    plain = train(base, w, corpus, log=False)
-    ramp = train(dict(base, ramp=(0.5, 0.5)), w, corpus, log=False)
+    plain = train(base, w, log=False)
+    ramp = train(dict(base, ramp=(0.5, 0.5)), w, log=False)
     assert ramp["bytes_per_sparse_step"] > 2 * plain["bytes_per_sparse_step"]
     assert ramp["bytes_last_step"] == plain["bytes_last_step"]
     assert plain["bytes_per_step"] > plain["bytes_per_sparse_step"]  # dense warm-up steps
@@ -336,9 +334,8 @@ def test_convergence_ramp_rows():
     # a ramp on the embedding split: the embeddings ramp down to their own 0.9, the rest to 0.99
     (row,) = variants([0.99], ["catchup_agree_trust2_accum-embed0.9-ramp0.5x0.02"])
     assert row["group_sparsity"] == {"embed": 0.9} and row["ramp"] == (0.5, 0.02)
-    split = train(dict(base, group_sparsity={"embed": 0.9}), w, corpus, log=False)
-    both = train(dict(base, group_sparsity={"embed": 0.9}, ramp=(0.5, 0.5)), w, corpus,
-                 log=False)
+    split = train(dict(base, group_sparsity={"embed": 0.9}), w, log=False)
+    both = train(dict(base, group_sparsity={"embed": 0.9}, ramp=(0.5, 0.5)), w, log=False)
     assert both["bytes_last_step"] == split["bytes_last_step"]
     assert both["bytes_per_sparse_step"] > split["bytes_per_sparse_step"]
     assert split["bytes_per_sparse_step"] > plain["bytes_per_sparse_step"]
@@ -348,10 +345,9 @@ def test_convergence_auto_rows():
     """An ``-auto`` row splits the row's sparsity over the groups by agreement (by gain on
     ``-autog``): every group measured at the first sparse step and every ``every`` after, the
     groups that read higher denser, the coordinates per step those of every group at the row's
-    sparsity, a floor kept where set; the runner refuses it."""
+    sparsity, a floor kept where set; on ranks it is the same engine hook."""
     from bench.research.convergence import Workload, run_config, train
     from bench.research.rows import variants
-    from bench.workloads.data import load_corpus
 
     (row,) = variants([0.99], ["catchup_agree_trust2_accum-auto2"])
     assert row["allot"] == (2.0, 100, "m") and row["group_sparsity"] == {"embed": 0.99, "pos": 0.99}
@@ -365,13 +361,12 @@ def test_convergence_auto_rows():
     assert floored["allot"] == (1.0, 100, "gain") and floored["allot_floor"] == 0.5
     assert floored["ramp"] == (0.5, 0.02)
     w = Workload(model="tiny", steps=14, batch=4, seq=64, eval_every=14, eval_seqs=4, threads=1)
-    corpus = load_corpus()
     base = dict(name="a", sparsity=0.9, warmup_steps=2, lr=3e-3,
                 update="catchup_agree_trust2_accum",
                 group_sparsity={"embed": 0.9, "pos": 0.9})
-    auto = train(dict(base, allot=(2.0, 5, "m")), w, corpus, log=False)
-    fresh = train(dict(base, allot=(2.0, 5, "fresh")), w, corpus, log=False)
-    gain = train(dict(base, allot=(2.0, 5, "gain")), w, corpus, log=False)
+    auto = train(dict(base, allot=(2.0, 5, "m")), w, log=False)
+    fresh = train(dict(base, allot=(2.0, 5, "fresh")), w, log=False)
+    gain = train(dict(base, allot=(2.0, 5, "gain")), w, log=False)
     for run in (auto, fresh, gain):
         assert [h[0] for h in run["allot_history"]] == [0, 5, 10]
     for _, signal, split in auto["allot_history"] + fresh["allot_history"] \
@@ -383,12 +378,13 @@ def test_convergence_auto_rows():
         assert split[most] < 0.9 < split[least]
     # gain carries the gradient's scale: a reading of its own, not the agreement's
     assert gain["allot_history"][-1][1] != fresh["allot_history"][-1][1]
-    floored = train(dict(base, allot=(4.0, 5, "gain"), allot_floor=0.5), w, corpus, log=False)
+    floored = train(dict(base, allot=(4.0, 5, "gain"), allot_floor=0.5), w, log=False)
     for _, _, split in floored["allot_history"]:
         assert all(s <= 1.0 - 0.5 * 0.1 + 1e-12 for s in split.values())  # the floor holds
         assert max(split.values()) > 0.9  # and the split still moves below it
-    with pytest.raises(ValueError, match="one process"):
-        run_config(dict(base, allot=(2.0, 5, "m")), w, 2)
+    hooks = run_config(dict(base, allot=(2.0, 5, "gain", 0.99), allot_floor=0.5), w, 2).hooks
+    assert hooks["bench.research.rows:Allotment"] == {"power": 2.0, "every": 5, "source": "gain",
+                                                      "beta": 0.99, "floor": 0.5}
 
 
 def test_convergence_rows_use_the_lean_optimizer():
@@ -421,19 +417,19 @@ def test_convergence_rows_use_the_lean_optimizer():
 
 def test_convergence_trust_lr_row_with_the_gain_split():
     """``-autog1-trustlr``: the bound follows the lr from c = 1/2 at the peak towards 1/4 while
-    the Allotment splits by gain; it moves the run, and the runner refuses it."""
+    the Allotment splits by gain; it moves the run (engine hooks, in the order the row lists
+    them)."""
     from bench.research.convergence import Workload, run_config, train
-    from bench.workloads.data import load_corpus
 
     w = Workload(model="tiny", steps=14, batch=4, seq=64, eval_every=14, eval_seqs=4, threads=1)
-    corpus = load_corpus()
     base = dict(name="a", sparsity=0.9, warmup_steps=2, lr=3e-3,
                 update="catchup_agree_trust2_accum",
                 group_sparsity={"embed": 0.9, "pos": 0.9}, allot=(1.0, 5, "gain"))
-    split = train(base, w, corpus, log=False)
-    scheduled = train(dict(base, trust_lr=(0.5, 0.25)), w, corpus, log=False)
+    split = train(base, w, log=False)
+    scheduled = train(dict(base, trust_lr=(0.5, 0.25)), w, log=False)
     assert [h[0] for h in scheduled["allot_history"]] == [0, 5, 10]
     assert math.isfinite(scheduled["final_val_loss"])
     assert scheduled["final_val_loss"] != split["final_val_loss"]  # the bound moved
-    with pytest.raises(ValueError, match="one process"):
-        run_config(dict(base, allot=None, trust_lr=(0.5, 0.25)), w, 2)
+    assert list(run_config(dict(base, trust_lr=(0.5, 0.25)), w, 2).hooks) == [
+        "bench.research.rows:Allotment", "bench.research.rows:TrustLr",
+        "bench.research.rows:Diagnostics"]

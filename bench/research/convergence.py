@@ -11,9 +11,11 @@ as SCAPE with one rank fed the global batch: the take is linear, so the ranks' r
 to the single-rank residual; the reduce-scatter (avg) delivers the global-batch gradient;
 masks are per block and do not depend on W (padding aside). The ablation therefore runs
 W = 1 with the global batch and spends the machine's cores on the model instead of on
-process overhead; ``--check-world 4`` re-runs the first sparse variant on 4 gloo ranks
-through :mod:`bench.engine.runner` (same data, schedule and seed) to confirm the equivalence on
-this workload. (The raw-gradient top-k peer
+process overhead. Every row trains through the engine's one loop
+(:func:`bench.engine.runner.run`, one rank; the research schedules are ``RunConfig.hooks``,
+:mod:`bench.research.convergence_train`); ``--check-world 4`` re-runs the first sparse variant
+on 4 gloo ranks (same data, schedule and seed) to confirm the equivalence on this workload, and
+``--ranks W`` trains every row on W ranks. (The raw-gradient top-k peer
 baseline is *not* W-invariant; it is measured by ``bench.compare`` on W ranks.)
 
 **Local-step rows** (``--local``): SparseLoCo and DiLoCo are *not* W-invariant either (each
@@ -55,8 +57,6 @@ import sys
 import time
 from typing import Any
 
-import torch
-
 from bench.compare_report import environment
 from bench.engine.local_sgd_opts import parse_local_name, sync_warning
 from bench.engine.runner import run
@@ -64,20 +64,17 @@ from bench.research.convergence_report import SCHEMA, gap_series, plot_gap, tabl
 from bench.research.convergence_train import (
     LOCAL_ROWS,
     Workload,
-    build_optimizer,
     dense_bytes_per_step,
     local_variant,
     run_config,
     train,
     train_local,
-    train_ranks,
 )
 from bench.research.rows import variants
-from bench.workloads.data import load_corpus
 
-__all__ = ["DENSE_LRS", "LOCAL_ROWS", "SCHEMA", "Workload", "build_optimizer",
-           "dense_bytes_per_step", "gap_series", "local_variant", "main", "plot_gap",
-           "run_config", "table", "train", "train_local", "train_ranks", "variants"]
+__all__ = ["DENSE_LRS", "LOCAL_ROWS", "SCHEMA", "Workload", "dense_bytes_per_step",
+           "gap_series", "local_variant", "main", "plot_gap", "run_config", "table", "train",
+           "train_local", "variants"]
 
 DENSE_LRS = (1e-3, 3e-3, 1e-2)
 """The learning rates of the dense AdamS sweep (``--dense-lrs``)."""
@@ -144,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     w = Workload(model=args.model, steps=args.steps, accum=args.accum, threads=args.threads,
-                 eval_every=max(1, args.steps // 4), seed=args.seed)
+                 eval_every=max(1, args.steps // 4), seed=args.seed, data=args.data)
     if args.smoke:
         w = dataclasses.replace(w, model="tiny", steps=6, batch=4, seq=64, eval_every=3,
                                 eval_seqs=4)
@@ -162,8 +159,6 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--local/--world: {e}")
     for text in warnings:
         print(text, flush=True)
-    torch.set_num_threads(w.threads)
-    corpus = load_corpus(args.data)
     out = args.out or f"bench/results/convergence_{w.steps}_accum{w.accum}.json"
     results: list[dict[str, Any]] = []
     started = time.perf_counter()
@@ -176,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     dense_rows = []
     for lr in lrs if args.dense_loss is None and not args.no_dense else []:
         print(f"dense AdamS lr={lr:g}", flush=True)
-        r = train(dict(name=f"dense-adams-lr{lr:g}", sparsity=0.0, lr=lr), w, corpus)
+        r = train(dict(name=f"dense-adams-lr{lr:g}", sparsity=0.0, lr=lr), w)
         dense_rows.append(r)
     if dense_rows:
         best = min(dense_rows, key=lambda r: r["final_val_loss"])
@@ -188,20 +183,19 @@ def main(argv: list[str] | None = None) -> int:
         adamw_lr = lr if args.local_lr is None else args.local_lr
         print(f"dense AdamW lr={adamw_lr:g}", flush=True)
         results.append(train(dict(name=f"dense-adamw-lr{adamw_lr:g}", optimizer="adamw",
-                                  lr=adamw_lr), w, corpus))
+                                  lr=adamw_lr), w))
     for v in variants(args.sparsity, args.variants, args.warmup):
         v["lr"] = lr
         print(f"{v['name']} (lr {lr:g}{f', {args.ranks} ranks' if args.ranks else ''})",
               flush=True)
-        results.append(train_ranks(v, w, args.ranks) if args.ranks else train(v, w, corpus))
+        results.append(train(v, w, args.ranks or 1))
     for name in local_names:
         inner_lr = lr if args.local_lr is None else args.local_lr
         v = local_variant(name, inner_lr, label_lr=inner_lr != lr)
         print(f"{v['name']} on {world} gloo ranks (AdamW inner, lr {inner_lr:g})", flush=True)
         results.append(train_local(v, w, world))
     world_check = None
-    sparse_rows = [r for r in results  # the runner does not rotate: no transform rows
-                   if r["variant"].get("sparsity", 0) > 0 and not r["variant"].get("transform")]
+    sparse_rows = [r for r in results if r["variant"].get("sparsity", 0) > 0]
     if args.check_world and sparse_rows:
         first = sparse_rows[0]
         print(f"{first['variant']['name']} on {args.check_world} ranks", flush=True)

@@ -20,6 +20,8 @@ Transforms: ``dct`` (DCT-II, DeMo's choice), ``hadamard`` (``c`` a power of two)
 from __future__ import annotations
 
 import math
+import weakref
+from typing import Any
 
 import torch
 
@@ -92,3 +94,40 @@ class Rotated:
         self._pushed = [False] * len(self.shadows)
         for p, s in zip(self.params, self.shadows):
             p.copy_((s.reshape(-1, self.c) @ self.d).reshape(p.shape))
+
+
+_MADE: weakref.WeakKeyDictionary[torch.nn.Module, Rotated] = weakref.WeakKeyDictionary()
+"""The :class:`Rotated` that :meth:`Rotation.param_groups` made for a model, until the hook of
+the same rank takes it."""
+
+
+class Rotation:
+    """The ``RunConfig.hooks`` factory of a transform-domain row (``-dct64``,
+    ``-hadamard128``): the optimizer is built over the shadows of the first param group (the
+    weight matrices) in the ``kind`` domain of chunk ``chunk``; after the backward pass the
+    gradients move there (:meth:`Rotated.push_grads`), after the step the weights come back
+    (:meth:`Rotated.pull`)."""
+
+    def __init__(self, cfg: Any, module: torch.nn.Module, opt: Any, kind: str,
+                 chunk: int) -> None:
+        self.rotated = _MADE.pop(module)
+
+    @staticmethod
+    def check(cfg: Any, kind: str, chunk: int) -> None:
+        transform_matrix(kind, chunk)  # its checks, before launch
+        if cfg.one_group:
+            raise ValueError("a transform row rotates the weight matrices' group: one_group "
+                             "must be False")
+
+    @staticmethod
+    def param_groups(cfg: Any, module: torch.nn.Module, groups: list[dict[str, Any]],
+                     kind: str, chunk: int) -> list[dict[str, Any]]:
+        rotated = Rotated(groups[0]["params"], kind, chunk)
+        _MADE[module] = rotated
+        return [dict(groups[0], params=rotated.shadows), *groups[1:]]
+
+    def after_backward(self, step: int) -> None:
+        self.rotated.push_grads()
+
+    def after_step(self, step: int) -> None:
+        self.rotated.pull()

@@ -1,15 +1,21 @@
 """The rows of the convergence ablation (:mod:`bench.research.convergence`): one dict per variant.
 
-A row is ``<rule>[-<change>]@<sparsity>``: a rule (the built-ins and the research rules of
-:mod:`bench.research.rules`) at the default schedule, a schedule change (explore, dense
-warm-up, dense refresh, no error feedback), a per-group sparsity (:data:`GROUP_RULES`), a
-sparsity warm-up (:data:`RAMP_RULES`), a measured per-group split (:data:`AUTO_RULES`,
-:class:`Allotment`) or a transform domain (:mod:`bench.research.rotate`). The keys are those
-:func:`bench.research.convergence_train.train` reads: ``sparsity``, ``warmup_steps``, ``update`` and
-optionally ``group_sparsity``, ``ramp``, ``allot``, ``allot_floor``, ``transform``,
-``trust_lr``, ``dense_every``. A row that changes ``explore`` or drops error feedback names a
-rule made by :func:`bench.research.rules.with_options` in ``update`` (``lazy-explore0.2``,
-``lazy-noef``), which any process rebuilds from the name.
+A row is a dict; its name, ``<rule>[-<change>]@<sparsity>``, is a label made from the data
+(never parsed; ``--variants`` selects by the part before ``@``, the row's key here): a rule
+(the built-ins and the research rules of :mod:`bench.research.rules`) at the default schedule,
+a schedule change (explore, dense warm-up, dense refresh, no error feedback), a per-group
+sparsity (:data:`GROUP_RULES`), a sparsity warm-up (:data:`RAMP_RULES`), a measured per-group
+split (:data:`AUTO_RULES`, :class:`Allotment`) or a transform domain
+(:mod:`bench.research.rotate`). The keys are those
+:func:`bench.research.convergence_train.run_config` maps to a ``RunConfig``: ``sparsity``,
+``warmup_steps``, ``update`` and optionally ``group_sparsity``, ``ramp``, ``allot``,
+``allot_floor``, ``transform``, ``trust_lr``, ``dense_every``. A row that changes ``explore``
+or drops error feedback names a rule made by :func:`bench.research.rules.with_options` in
+``update`` (``lazy-explore0.2``, ``lazy-noef``), registered on import
+(:data:`bench.research.rules.OPTION_RULES`) in every process.
+
+The research schedules run as ``RunConfig.hooks`` of the engine's loop: :class:`TrustLr`,
+:class:`Allotment`, :class:`Diagnostics` here and :class:`bench.research.rotate.Rotation`.
 """
 from __future__ import annotations
 
@@ -51,9 +57,12 @@ GROUP_RULES = ("catchup_sqrt_accum", "catchup_agree_accum", "catchup_agree_sqrt_
 RAMP_RULES = ("catchup_agree_trust4_accum", "catchup_agree_trust2_accum", "catchup_agree_accum",
               "catchup_sqrt_accum")
 RAMPS = ((0.9, 0.1), (0.9, 0.2), (0.95, 0.2), (0.9, 0.4))
-"""``-ramp<s0>x<f>``: a sparsity warm-up (:func:`scape.sparsity_ramp`) of every sparse group
-from ``s0`` to its own sparsity (a group already at or below ``s0`` stays there) over the
-first ``f * steps`` sparse steps, density falling geometrically."""
+"""``-ramp<s0>x<f>``: a sparsity warm-up of every sparse group from ``s0`` to its own sparsity
+(a group already at or below ``s0`` stays there) over the first ``f * steps`` sparse steps,
+density falling geometrically: the engine's ``RunConfig.sparsity_ramp``
+(:class:`scape.SparsityRamp`; sparse step ``j`` sends the mask made at
+``scape.sparsity_ramp(j)``, one step ahead of the hand-written ramp of the ablation's own loop
+before it trained through the engine)."""
 EARLY_RAMP = (0.5, 0.01)
 """``early-ramp0.5x0.01``: ``update="early"`` behind one dense step (``--warmup 1``) and a
 ramp from 0.5 over 1% of the run (20 steps of 2,000), as the newcomer workloads ran it."""
@@ -94,55 +103,85 @@ GAIN_RULES = ("catchup_agree_trust2_gain", "catchup_agree_trust4_gain")
 ``<rule>-explore1@<sp>`` takes every mask by age alone: each coordinate in turn."""
 
 
-def ramp_sparsity(variant: dict[str, Any], base: float, sparse_step: int, steps: int) -> float:
-    """A group's sparsity at sparse step ``sparse_step`` (0 = the first after the dense
-    warm-up) of a ``-ramp`` row whose group is built at ``base``."""
-    s0, frac = variant["ramp"]
-    return sparsity_ramp(sparse_step, start=min(s0, base), end=base,
-                         ramp_steps=round(frac * steps))
+class TrustLr:
+    """The ``RunConfig.hooks`` factory of a ``-trustlr`` row (``trust_lr=(c_hi, c_lo)``):
+    before every step, the agreement catch-up bounded at ``c_hi`` at the row's peak lr,
+    falling with the step's lr towards ``c_lo`` at 0."""
 
+    def __init__(self, cfg: Any, module: Any, opt: Any, c_hi: float, c_lo: float) -> None:
+        self.opt, self.peak, self.c_hi, self.c_lo = opt, cfg.lr, c_hi, c_lo
 
-def trust_rule(variant: dict[str, Any], lr: float) -> rules.Rule:
-    """The rule of a ``-trustlr`` row at learning rate ``lr``: the agreement catch-up bounded
-    at ``c_hi`` at the row's peak lr, falling with the lr towards ``c_lo`` at 0
-    (``trust_lr=(c_hi, c_lo)``)."""
-    c_hi, c_lo = variant["trust_lr"]
-    return agree_trust_rule(c_lo + (c_hi - c_lo) * lr / variant["lr"])
+    def before_step(self, step: int) -> None:
+        lr = self.opt.param_groups[0]["lr"]  # the engine's lr_at(step)
+        self.opt.rule = agree_trust_rule(self.c_lo + (self.c_hi - self.c_lo) * lr / self.peak)
 
 
 class Allotment:
-    """The automatic split of an ``-auto`` row, called once per sparse step (0 = the first):
-    re-measures the groups' signal (agreement, or gain on an ``-autog`` row) every ``every``
-    sparse steps and writes the split of the overall sparsity (ramped on a ``-ramp`` row) into
-    the groups. ``history`` keeps ``(sparse_step, signal, sparsity)`` at each measurement."""
+    """The ``RunConfig.hooks`` factory of an ``-auto`` row (``allot=(power, every, source[,
+    beta])``, ``allot_floor``): before every sparse step (0 = the first after the dense
+    warm-up) it re-measures the groups' signal (agreement read from ``m``, or from a fresh
+    gradient mean, or gain) every ``every`` sparse steps and writes the split of the overall
+    sparsity into the groups; the overall sparsity follows ``RunConfig.sparsity_ramp`` as the
+    engine's :class:`scape.SparsityRamp` does (sparse step ``j`` at ``scape.sparsity_ramp(j +
+    1)``). ``result()``: ``history``, ``(sparse_step, signal, sparsity)`` at each
+    measurement."""
 
-    def __init__(self, opt: Any, variant: dict[str, Any], steps: int) -> None:
-        self.opt, self.variant, self.steps = opt, variant, steps
-        self.power, self.every, source, *beta = variant["allot"]
-        self.source = source
-        self.meter = allot.AgreementMeter(opt, *beta) if source in ("fresh", "gain") else None
+    def __init__(self, cfg: Any, module: Any, opt: Any, power: float, every: int,
+                 source: str, beta: float | None = None, floor: float = 0.0) -> None:
+        self.cfg, self.opt = cfg, opt
+        self.power, self.every, self.source, self.floor = power, every, source, floor
+        self.meter = allot.AgreementMeter(opt, beta) if source in ("fresh", "gain") else None
         self.numels = allot.group_numels(opt)
         self.signal: dict[int, float] = {}
         self.history: list[tuple[int, dict[int, float], dict[int, float]]] = []
 
-    def observe(self) -> None:
-        """After the backward pass, before ``opt.step()`` (every step, warm-up included)."""
+    @staticmethod
+    def check(cfg: Any, power: float, every: int, source: str, beta: float | None = None,
+              floor: float = 0.0) -> None:
+        if cfg.optimizer != "scape" or not cfg.group_sparsity:
+            raise ValueError("the -auto rows split a scape row's sparsity over its groups: "
+                             "optimizer 'scape' with group_sparsity")
+        if source not in ("m", "fresh", "gain"):
+            raise ValueError(f"allot source must be 'm', 'fresh' or 'gain', got {source!r}")
+
+    def after_backward(self, step: int) -> None:
+        """Every step, warm-up included."""
         if self.meter is not None:
             self.meter.observe()
 
-    def __call__(self, sparse_step: int) -> None:
-        overall = self.variant["sparsity"]
-        if self.variant.get("ramp"):
-            overall = ramp_sparsity(self.variant, overall, sparse_step, self.steps)
+    def before_step(self, step: int) -> None:
+        sparse_step = step - self.opt.warmup_steps
+        if sparse_step < 0:
+            return
+        overall = self.cfg.sparsity
+        if self.cfg.sparsity_ramp is not None:
+            s0, ramp_steps = self.cfg.sparsity_ramp
+            overall = sparsity_ramp(sparse_step + 1, start=min(s0, overall), end=overall,
+                                    ramp_steps=ramp_steps)
         measure = sparse_step % self.every == 0
         if measure:
             self.signal = allot.group_agreement(self.opt) if self.meter is None \
                 else self.meter.gain() if self.source == "gain" else self.meter.agreement()
         split = allot.allot(self.signal, self.numels, overall, self.opt.block_size,
-                            power=self.power, floor=self.variant.get("allot_floor", 0.0))
+                            power=self.power, floor=self.floor)
         allot.apply_allotment(self.opt, split)
         if measure:
             self.history.append((sparse_step, dict(self.signal), split))
+
+    def result(self) -> dict[str, Any]:
+        return {"history": self.history}
+
+
+class Diagnostics:
+    """The ``RunConfig.hooks`` factory that reports the optimizer's diagnostics of its first
+    bucket at the end of the run (``result()``; the residual norm of SCAPE's take)."""
+
+    def __init__(self, cfg: Any, module: Any, opt: Any) -> None:
+        self.opt = opt
+
+    def result(self) -> dict[str, float]:
+        first = getattr(self.opt, "diagnostics", [])[:1]
+        return {k: float(v) for d in first for k, v in d.items()}
 
 
 def variants(sparsities: list[float], names: list[str] | None,
@@ -160,80 +199,79 @@ def variants(sparsities: list[float], names: list[str] | None,
     rows: list[dict[str, Any]] = []
     for sp in sparsities:
         base = dict(sparsity=sp, warmup_steps=warmup)
-        rows += [dict(base, name=f"{rule}@{sp}", update=rule) for rule in RULE_NAMES]
+        rows += [dict(base, row=f"{rule}", update=rule) for rule in RULE_NAMES]
         for rule in ("lazy", "catchup_accum"):
             rows += [
-                dict(base, name=f"{rule}-explore0@{sp}", update=with_options(rule, explore=0.0)),
-                dict(base, name=f"{rule}-explore0.05@{sp}",
+                dict(base, row=f"{rule}-explore0", update=with_options(rule, explore=0.0)),
+                dict(base, row=f"{rule}-explore0.05",
                      update=with_options(rule, explore=0.05)),
-                dict(base, name=f"{rule}-explore0.2@{sp}",
+                dict(base, row=f"{rule}-explore0.2",
                      update=with_options(rule, explore=0.2)),
-                dict(base, name=f"{rule}-warmup10@{sp}", update=rule, warmup_steps=10),
-                dict(base, name=f"{rule}-warmup100@{sp}", update=rule, warmup_steps=100),
-                dict(base, name=f"{rule}-dense_every50@{sp}", update=rule, dense_every=50),
-                dict(base, name=f"{rule}-no_ef@{sp}",
+                dict(base, row=f"{rule}-warmup10", update=rule, warmup_steps=10),
+                dict(base, row=f"{rule}-warmup100", update=rule, warmup_steps=100),
+                dict(base, row=f"{rule}-dense_every50", update=rule, dense_every=50),
+                dict(base, row=f"{rule}-no_ef",
                      update=with_options(rule, error_feedback=False)),
             ]
         for rule in GROUP_RULES:  # where the gap lives: the embedding matrices (tied head)
-            rows += [dict(base, name=f"{rule}-embed{e}@{sp}", update=rule,
+            rows += [dict(base, row=f"{rule}-embed{e}", update=rule,
                           group_sparsity={"embed": e}) for e in (0.9, 0.95, 0.97)]
             rows += [
-                dict(base, name=f"{rule}-embed0@{sp}", update=rule,
+                dict(base, row=f"{rule}-embed0", update=rule,
                      group_sparsity={"embed": 0.0}),
-                dict(base, name=f"{rule}-vec0@{sp}", update=rule,
+                dict(base, row=f"{rule}-vec0", update=rule,
                      group_sparsity={"embed": sp, "no_decay": 0.0}),
-                dict(base, name=f"{rule}-dct64@{sp}", update=rule, transform=("dct", 64)),
-                dict(base, name=f"{rule}-hadamard128@{sp}", update=rule,
+                dict(base, row=f"{rule}-dct64", update=rule, transform=("dct", 64)),
+                dict(base, row=f"{rule}-hadamard128", update=rule,
                      transform=("hadamard", 128)),
-                dict(base, name=f"{rule}-tok0.9@{sp}", update=rule,
+                dict(base, row=f"{rule}-tok0.9", update=rule,
                      group_sparsity={"embed": 0.9, "pos": sp}),
-                dict(base, name=f"{rule}-pos0.9@{sp}", update=rule,
+                dict(base, row=f"{rule}-pos0.9", update=rule,
                      group_sparsity={"embed": sp, "pos": 0.9}),
-                dict(base, name=f"{rule}-head0.9@{sp}", update=rule,
+                dict(base, row=f"{rule}-head0.9", update=rule,
                      group_sparsity={"head": 0.9}),
-                dict(base, name=f"{rule}-tokhead0.9@{sp}", update=rule,
+                dict(base, row=f"{rule}-tokhead0.9", update=rule,
                      group_sparsity={"embed": 0.9, "pos": sp, "head": 0.9}),
             ]
         for rule in RAMP_RULES:  # hypothesis 11: spend the bytes early
-            rows += [dict(base, name=f"{rule}-ramp{s0:g}x{frac:g}@{sp}", update=rule,
+            rows += [dict(base, row=f"{rule}-ramp{s0:g}x{frac:g}", update=rule,
                           ramp=(s0, frac)) for s0, frac in RAMPS if s0 < sp]
-            rows += [dict(base, name=f"{rule}-embed{e}-ramp{s0:g}x{frac:g}@{sp}", update=rule,
+            rows += [dict(base, row=f"{rule}-embed{e}-ramp{s0:g}x{frac:g}", update=rule,
                           group_sparsity={"embed": e}, ramp=(s0, frac))
                      for e in (0.9, 0.95) for s0, frac in SHORT_RAMPS if s0 < min(e, sp)]
         s0, frac = EARLY_RAMP
-        rows.append(dict(base, name=f"early-ramp{s0:g}x{frac:g}@{sp}", update="early",
+        rows.append(dict(base, row=f"early-ramp{s0:g}x{frac:g}", update="early",
                          ramp=EARLY_RAMP))
         split_groups = {"embed": sp, "pos": sp}
         for rule in AUTO_RULES:  # hypothesis 16: the split of hypothesis 14, measured
             for power, source in [(p, "m") for p in AUTO_POWERS] + \
                     [(p, "fresh") for p in FRESH_POWERS] + [(p, "gain") for p in GAIN_POWERS]:
                 tag = {"m": "auto", "fresh": "autof", "gain": "autog"}[source]
-                auto = dict(base, name=f"{rule}-{tag}{power:g}@{sp}", update=rule,
+                auto = dict(base, row=f"{rule}-{tag}{power:g}", update=rule,
                             group_sparsity=split_groups, allot=(power, 100, source))
-                rows += [auto] + [dict(auto, name=f"{rule}-{tag}{power:g}-ramp{s0:g}x{f:g}@{sp}",
+                rows += [auto] + [dict(auto, row=f"{rule}-{tag}{power:g}-ramp{s0:g}x{f:g}",
                                        ramp=(s0, f)) for s0, f in SHORT_RAMPS if s0 < sp]
                 if source == "gain":
-                    rows += [dict(auto, name=f"{rule}-{tag}{power:g}-beta{b:g}@{sp}",
+                    rows += [dict(auto, row=f"{rule}-{tag}{power:g}-beta{b:g}",
                                   allot=(power, 100, source, b)) for b in METER_BETAS]
-                    rows += [dict(auto, name=f"{rule}-{tag}{power:g}-floor{fl:g}"
-                                  f"-ramp{s0:g}x{f:g}@{sp}", allot_floor=fl, ramp=(s0, f))
+                    rows += [dict(auto, row=f"{rule}-{tag}{power:g}-floor{fl:g}"
+                                  f"-ramp{s0:g}x{f:g}", allot_floor=fl, ramp=(s0, f))
                              for fl in FLOORS for s0, f in SHORT_RAMPS if s0 < sp]
         for rule in GAIN_RULES:  # hypothesis 19: masks by fresh gain, with the split too
-            rows.append(dict(base, name=f"{rule}-autog1@{sp}", update=rule,
+            rows.append(dict(base, row=f"{rule}-autog1", update=rule,
                              group_sparsity=split_groups, allot=(1.0, 100, "gain")))
         for rule in ("catchup_agree_trust2_accum", "catchup_agree_trust2_gain"):
             # its control: every coordinate in turn (the oldest first), no score at all
-            rows.append(dict(base, name=f"{rule}-explore1@{sp}",
+            rows.append(dict(base, row=f"{rule}-explore1",
                              update=with_options(rule, explore=1.0)))
         # hypothesis 18: the bound at c = 1/2 at the peak lr, falling with it towards 1/4; set
         # by the row from the schedule's peak (-trustlr), or by the research rule from the
         # largest lr so far (catchup_agree_trustlr_accum); both with the gain split
-        rows.append(dict(base, name=f"catchup_agree_trust2_accum-autog1-trustlr@{sp}",
+        rows.append(dict(base, row="catchup_agree_trust2_accum-autog1-trustlr",
                          update="catchup_agree_trust2_accum", group_sparsity=split_groups,
                          allot=(1.0, 100, "gain"), trust_lr=(0.5, 0.25)))
-        rows.append(dict(base, name=f"catchup_agree_trustlr_accum-autog1@{sp}",
+        rows.append(dict(base, row="catchup_agree_trustlr_accum-autog1",
                          update="catchup_agree_trustlr_accum", group_sparsity=split_groups,
                          allot=(1.0, 100, "gain")))
-    if names:
-        return [r for r in rows if r["name"].split("@")[0] in names]
-    return [r for r in rows if r["name"].split("@")[0] not in ALIASES]
+    keep = [r for r in rows if (r["row"] in names if names else r["row"] not in ALIASES)]
+    return [{"name": f"{r.pop('row')}@{r['sparsity']}", **r} for r in keep]
