@@ -23,12 +23,13 @@ rate is measured before the leg and stored.
 ``compute_only``         SCAPE-0.99's per-rank work with no collectives (speed leg only)
 =======================  ====================================================================
 
-Also accepted by ``--optimizers``: ``dist_adamw`` (scape.DistributedAdamW), any
-``scape-<s>`` or ``topk-<s>``, ``scape-<s>-embed<e>`` (the embedding matrices, the tied
-head, in their own param group at ``e``, the library's default rule), and the
-local-step rows ``sparseloco-h<H>-d<density>[-b<bits>]`` and ``diloco-h<H>``
-(:mod:`bench.engine.local_sgd_opts`; their bytes per step are the mean over all steps, and a
-``steps`` that ``H`` does not divide prints a warning).
+``--optimizers`` takes rows (:mod:`bench.engine.rows`): a name of its table -- besides those
+above ``dist_adamw`` (scape.DistributedAdamW), ``topk-0.9``, ``scape-0.99-embed0.9`` (the
+embedding matrices, the tied head, in their own param group at 0.9), the local-step rows
+``sparseloco-h8-d0.01``, ``sparseloco-h32-d0.03``, ``diloco-h8``, ... -- or a row as JSON,
+inline or in a ``.json``/``.toml`` file, e.g. ``'{"name": "scape-0.95", "optimizer": "scape",
+"sparsity": 0.95}'``. The local-step rows (:mod:`bench.engine.local_sgd_opts`) report the mean
+bytes over all steps, and a ``steps`` that their ``H`` does not divide prints a warning.
 
 Each run is ``python -m bench.engine.runner`` in a subprocess (:mod:`bench.compare_exec`), one
 progress line with an ETA covers the plan. It prints the headline first: SCAPE-0.99's loss
@@ -65,25 +66,17 @@ from bench.compare_report import (
     speed_table,
     verify_link,
 )
-from bench.engine.local_sgd_opts import (
-    NAME_FORMS,
-    is_local_name,
-    parse_local_name,
-    steady_bytes,
-    sync_warning,
-)
+from bench.engine.local_sgd_opts import steady_bytes, sync_warning
 from bench.engine.optimizers import OPTIMIZERS
 from bench.engine.report import plot_bytes, plot_loss, plot_steps
+from bench.engine.rows import resolve as resolve_row
 from bench.engine.runner import RunConfig
-from bench.workloads.gpt import check_group_sparsity
 
-__all__ = ["SCHEMA", "make_configs", "parse_name", "embed_sparsity", "main", "run_one"]
+__all__ = ["SCHEMA", "make_configs", "main", "run_one"]
 
 DEFAULT_OPTIMIZERS = ("adams", "adamw_ddp", "scape-0.9", "scape-0.99", "topk-0.99",
                       "compute_only")
 DEFAULT_BANDWIDTH = "100mbit"
-COMPUTE_ONLY_SPARSITY = 0.99
-"""compute_only runs the per-rank work of SCAPE at this sparsity (the 1.15x target's floor)."""
 TUNED_LR = 3e-4
 """Dense sharded AdamS's best peak learning rate on the quality leg's workload, of 1e-4, 3e-4
 and 1e-3 at 600 steps (bench/results/compare_lr_sweep.json; docs/benchmarks.md)."""
@@ -103,69 +96,24 @@ GUESS_STEP_S = {"tiny": 0.03, "small": 0.2}
 """Seconds per step on 2 cores before any is measured (the ETA's first estimate)."""
 
 
-def parse_name(name: str) -> tuple[str, float]:
-    """``"scape-0.99"`` -> ``("scape", 0.99)``; ``"adams"`` -> ``("adams", 0.0)``;
-    ``"sparseloco-h8-d0.01"`` -> ``("sparseloco", 0.0)`` (its settings:
-    :func:`bench.engine.local_sgd_opts.parse_local_name`)."""
-    if is_local_name(name):
-        try:
-            return parse_local_name(name)[0], 0.0
-        except ValueError as e:
-            raise ValueError(f"--optimizers: {e}") from None
-    opt, _, sp = name.partition("-")
-    entry = OPTIMIZERS.get(opt)
-    if entry is None or entry.local_steps:
-        raise ValueError(f"--optimizers: unknown optimizer {name!r} (expected one of "
-                         f"{DEFAULT_OPTIMIZERS}, sparsity after '-', or {NAME_FORMS})")
-    if entry.group_sparsity and embed_sparsity(name) is not None:
-        sp = sp.partition("embed")[0].rstrip("-")
-    if entry.needs_sparsity and not sp:
-        raise ValueError(f"--optimizers: {name!r} needs a sparsity, e.g. {opt}-0.99")
-    if opt == "compute_only":
-        return opt, float(sp) if sp else COMPUTE_ONLY_SPARSITY
-    try:
-        return opt, float(sp) if sp else 0.0
-    except ValueError:
-        raise ValueError(f"--optimizers: bad sparsity in {name!r}") from None
-
-
-def embed_sparsity(name: str) -> float | None:
-    """``"scape-0.99-embed0.9"`` -> 0.9: the embedding matrices (the tied head) in their own
-    param group at that sparsity (:func:`bench.workloads.gpt.param_groups`); None without the
-    suffix."""
-    head, sep, tail = name.partition("-embed")
-    if not sep:
-        return None
-    takes = [n for n, e in OPTIMIZERS.items() if e.group_sparsity]
-    if head.partition("-")[0] not in takes:
-        raise ValueError(f"--optimizers: {name!r}: -embed<sparsity> applies to "
-                         f"{' and '.join(takes)} rows")
-    try:
-        value = float(tail)
-        check_group_sparsity({"embed": value})
-    except ValueError as e:
-        raise ValueError(f"--optimizers: bad embedding sparsity in {name!r}: {e}") from None
-    return value
-
-
 def make_configs(names: list[str], w: dict[str, Any], data: str | None, profile_dir: str | None,
                  timeout_s: float, device: str = "cpu") -> list[RunConfig]:
-    """One RunConfig per optimizer name, sharing the workload ``w`` and the timing window.
-    ``w["warmup_steps"]`` is the sparse rows' dense warm-up (None: the library's default)."""
+    """One RunConfig per row (a name of :data:`bench.engine.rows.ROWS`, or a JSON/TOML row:
+    :func:`bench.engine.rows.resolve`), sharing the workload ``w`` and the timing window.
+    ``w["warmup_steps"]`` is the sparse rows' dense warm-up (None: the library's default; a
+    row's own ``warmup_steps`` wins)."""
     warmup = w.get("warmup_steps")
     skip = min(w["steps"] - 1, (20 if warmup is None else warmup) + 2)
     cfgs = []
-    for name in names:
-        opt, sp = parse_name(name)
+    for spec in names:
+        name, fields = resolve_row(spec)
+        opt = fields["optimizer"]
         kwargs: dict[str, Any] = {}
         if OPTIMIZERS[opt].sparse and warmup is not None:
             kwargs["warmup_steps"] = warmup
-        if is_local_name(name):
-            kwargs = parse_local_name(name)[1]
-        emb = embed_sparsity(name)  # the split set by hand, as named
+        kwargs.update(fields.get("optimizer_kwargs") or {})
         cfgs.append(RunConfig(
-            optimizer=opt, sparsity=sp if opt != "adams" else 0.0, optimizer_kwargs=kwargs,
-            group_sparsity=None if emb is None else {"embed": emb},
+            **{**fields, "optimizer_kwargs": kwargs},
             model=w["model"], world=w["world"], steps=w["steps"], batch=w["batch"],
             seq=w["seq"], lr=w["lr"], eval_every=w["eval_every"], eval_seqs=w["eval_seqs"],
             data=data, timing_skip=skip, log_every=1, timeout_s=timeout_s, name=name,
@@ -280,10 +228,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         world = next(iter(legs.values()))["world"]
         device, device_note = resolve_device(args.device, world)
-        cfgs = {leg: make_configs(
-            [n for n in args.optimizers if leg == "speed" or parse_name(n)[0] != "compute_only"],
-            w, args.data, os.path.join(args.out, "profile") if args.profile and leg == "speed"
-            else None, args.timeout, device) for leg, w in legs.items()}
+        cfgs = {leg: [c for c in make_configs(
+            args.optimizers, w, args.data,
+            os.path.join(args.out, "profile") if args.profile and leg == "speed" else None,
+            args.timeout, device) if leg == "speed" or c.optimizer != "compute_only"]
+            for leg, w in legs.items()}
         bandwidth, link_note = resolve_bandwidth(args.bandwidth) if "speed" in legs \
             else (None, "")
     except ValueError as e:

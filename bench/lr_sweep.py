@@ -22,15 +22,16 @@ defaults otherwise (20 dense warm-up steps for the sparse rows):
 =========  =============================================================================
 
 Every run is :func:`bench.engine.runner.run` on W=4 gloo ranks (global batch 16 x 128 bytes, betas
-(0.9, 0.95), validation loss on 128 fixed held-out windows). Optimizers (``--optimizers``):
-``adams`` (dense sharded AdamS, the reference), ``scape-<s>``, ``topk-<s>`` (raw-gradient
-top-k, :mod:`bench.engine.topk_baseline`); ``scape-<s>@<rule>`` trains SCAPE with ``update=<rule>``,
-a built-in rule's name (or one a module registered); ``scape-<s>-embed<e>-head<h>``
-(either suffix alone too) puts the embedding matrices, the untied head, in param groups of
-their own at that sparsity, every group still decayed; ``-ramp<s0>x<n>`` (after those) ramps
-the sparsity from ``s0`` over the first ``n`` sparse steps (:func:`scape.sparsity_ramp`);
-suffixes of :data:`ROW_HOOKS` (after those) add ``RunConfig.hooks`` entries (the research's
-``-follow<q>`` and ``-drift`` under ``python -m bench.research bench.lr_sweep``). The
+(0.9, 0.95), validation loss on 128 fixed held-out windows). The rows (``--optimizers``) are
+those of :mod:`bench.engine.rows`: a name of its table (``adams``, dense sharded AdamS, the
+reference; ``scape-0.9``, ``scape-0.99``, ``topk-0.99`` (raw-gradient top-k,
+:mod:`bench.engine.topk_baseline`), ``scape-0.99@robust``, ...; the research's rows under
+``python -m bench.research bench.lr_sweep``), or a row as JSON, inline or in a
+``.json``/``.toml`` file: ``'{"name": "scape-0.95-ramp", "optimizer": "scape", "sparsity":
+0.95, "optimizer_kwargs": {"update": "early"}, "group_sparsity": {"embed": 0.5},
+"sparsity_ramp": [0.5, 20]}'`` trains SCAPE at 0.95 with ``update="early"``, the embedding
+matrices in a param group of their own at 0.5 (every group still decayed) and the sparsity
+ramped from 0.5 over the first 20 sparse steps (:class:`scape.SparsityRamp`). The
 JSON (schema ``scape.lr_sweep/1``) is rewritten after every run; ``--resume`` keeps the runs of
 an earlier file with the same settings. ``--jobs N`` trains N runs at once, each rank on
 ``cpu_count // (N * W)`` threads (at least one): on a 2-core machine it gains nothing; on 16
@@ -59,16 +60,13 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from multiprocessing import active_children
-from typing import Any, NamedTuple
+from typing import Any
 
-from bench.compare import parse_name
 from bench.compare_report import environment
 from bench.engine.launch import sigterm_unwinds
-from bench.engine.optimizers import check_rule
+from bench.engine.rows import resolve as resolve_row
 from bench.engine.runner import RunConfig, run
 from bench.lr_sweep_report import markdown, plot_ratios, select_best
-from bench.workloads.gpt import check_group_sparsity
-from scape import sparsity_ramp
 
 SCHEMA = "scape.lr_sweep/1"
 WORKLOADS: dict[str, dict[str, Any]] = {
@@ -88,9 +86,6 @@ SMOKE_COMMON: dict[str, Any] = {"world": 2, "batch": 2, "seq": 32, "weight_decay
 DEFAULTS = {"optimizers": ["adams", "scape-0.9", "scape-0.99", "topk-0.99"],
             "lrs": [3e-4, 1e-3, 3e-3], "steps": [600]}
 SMOKE = {"optimizers": ["adams", "scape-0.99"], "lrs": [1e-3, 3e-3], "steps": [6]}
-GROUP_SUFFIXES = ("embed", "head")
-"""Row suffixes ``-embed<s>``, ``-head<s>``: that :func:`bench.workloads.gpt.param_groups` group at
-its own sparsity, every group still decayed (:func:`bench.engine.run_rank.make_groups`)."""
 GUESS_STEP_S = {"small": 0.15, "llama-small": 0.2}
 """Seconds per step on 2 cores before one run of the workload has finished (the ETA)."""
 
@@ -100,86 +95,18 @@ def eval_every(steps: int) -> int:
     return min(100, max(1, steps // 4))
 
 
-class Row(NamedTuple):
-    """One ``--optimizers`` entry, parsed (:func:`parse_row`)."""
-
-    optimizer: str
-    sparsity: float
-    rule: str | None
-    """``update=`` of a SCAPE row (None: the default)."""
-    groups: dict[str, float] | None
-    """Per-group sparsity (None: one group at ``sparsity``)."""
-    ramp: tuple[float, int] | None
-    """``(start, ramp_steps)`` of a sparsity ramp after the dense warm-up (None: none)."""
-    hooks: dict[str, dict[str, Any]] | None = None
-    """``RunConfig.hooks`` entries of the :data:`ROW_HOOKS` suffixes (None: none)."""
-
-
-ROW_HOOKS: list[Callable[[str], dict[str, dict[str, Any]] | None]] = []
-"""Parsers of extra row suffixes, tried on the trailing parts of a row before the group and
-ramp suffixes: ``part -> RunConfig.hooks entries`` (None: not a suffix of that parser; a
-ValueError names what is wrong). A module that defines hooks appends one on import."""
-
-
-def parse_row(optimizer: str) -> Row:
-    """``"scape-0.99-embed0.9-head0.9-ramp0.5x20@robust"`` -> ``Row("scape", 0.99, "robust",
-    {"embed": 0.9, "head": 0.9}, (0.5, 20))``. Without ``@`` the rule is None (the
-    optimizer's default); without ``-<group><s>`` suffixes (:data:`GROUP_SUFFIXES`) the group
-    sparsity is None (one group); without ``-ramp<start>x<steps>`` no ramp. Raises ValueError
-    naming the known rules or groups."""
-    base, at, rule = optimizer.partition("@")
-    parts = base.split("-")
-    groups: dict[str, float] = {}
-    ramp = None
-    hooks: dict[str, dict[str, Any]] = {}
-    while len(parts) > 2:
-        found = None
-        for parse in ROW_HOOKS:
-            try:
-                found = parse(parts[-1])
-            except ValueError as e:
-                raise ValueError(f"--optimizers: {optimizer!r}: bad {parts[-1]!r}: {e}") \
-                    from None
-            if found is not None:
-                break
-        if found is None:
-            break
-        hooks = {**found, **hooks}
-        parts.pop()
-    while len(parts) > 2 and parts[-1].startswith((*GROUP_SUFFIXES, "ramp")):
-        part = parts.pop()
-        try:
-            if part.startswith("ramp"):
-                start, _, steps = part[len("ramp"):].partition("x")
-                ramp = (float(start), int(steps))
-                sparsity_ramp(0, start=ramp[0], end=0.99, ramp_steps=ramp[1])  # its checks
-                continue
-            name = next(g for g in GROUP_SUFFIXES if part.startswith(g))
-            groups[name] = float(part[len(name):])
-            check_group_sparsity(groups)
-        except ValueError as e:
-            raise ValueError(f"--optimizers: {optimizer!r}: bad {part!r}: {e}") from None
-    opt, sparsity = parse_name("-".join(parts))
-    if (at or groups or ramp or hooks) and opt != "scape":
-        raise ValueError(f"--optimizers: {optimizer!r}: '@<rule>', '-<group><s>', '-ramp' "
-                         "and the hook suffixes apply to scape rows only")
-    if at:
-        try:
-            check_rule(rule)
-        except ValueError as e:
-            raise ValueError(f"--optimizers: {optimizer!r}: {e}") from None
-    return Row(opt, sparsity, rule if at else None, groups or None, ramp, hooks or None)
-
-
-def make_config(workload: dict[str, Any], common: dict[str, Any], optimizer: str, steps: int,
-                lr: float, seed: int, name: str, timeout_s: float) -> RunConfig:
-    opt, sparsity, rule, groups, ramp, hooks = parse_row(optimizer)
-    kwargs: dict[str, Any] = {} if common["warmup_steps"] is None or opt == "adams" else \
-        {"warmup_steps": common["warmup_steps"]}
-    if rule is not None:
-        kwargs["update"] = rule
-    return RunConfig(optimizer=opt, sparsity=sparsity, optimizer_kwargs=kwargs,
-                     group_sparsity=groups, sparsity_ramp=ramp, hooks=hooks or {},
+def make_config(workload: dict[str, Any], common: dict[str, Any],
+                row: str | tuple[str, dict[str, Any]], steps: int, lr: float, seed: int,
+                name: str, timeout_s: float) -> RunConfig:
+    """The run of ``row`` (a name of :data:`bench.engine.rows.ROWS`, a JSON/TOML row, or
+    ``(name, fields)`` as :func:`bench.engine.rows.resolve` returns them) on ``workload``:
+    ``common["warmup_steps"]`` is the dense warm-up of every row but ``adams`` (None: the
+    library's default; a row's own ``warmup_steps`` wins)."""
+    _, fields = resolve_row(row) if isinstance(row, str) else row
+    kwargs: dict[str, Any] = {} if common["warmup_steps"] is None or \
+        fields["optimizer"] == "adams" else {"warmup_steps": common["warmup_steps"]}
+    kwargs.update(fields.get("optimizer_kwargs") or {})
+    return RunConfig(**{**fields, "optimizer_kwargs": kwargs},
                      model=workload["model"], data=workload["data"], world=common["world"],
                      steps=steps, batch=common["batch"], seq=common["seq"], lr=lr,
                      weight_decay=common["weight_decay"], one_group=common["one_group"],
@@ -324,8 +251,10 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"--warmup-steps must be >= 1, got {args.warmup_steps}")
         common["warmup_steps"] = args.warmup_steps
     try:
-        for o in optimizers:
-            parse_row(o)
+        rows = dict(resolve_row(o) for o in optimizers)
+        optimizers = list(rows)
+        if len(rows) < len(args.optimizers or base["optimizers"]):
+            raise ValueError("--optimizers names a row twice")
         if "adams" not in optimizers:
             raise ValueError("--optimizers must include adams (every ratio divides by it)")
         if min(lrs) <= 0 or min(lengths) < 1:
@@ -335,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         ap.error(str(e))
     settings = {"workloads": workloads, "common": common, "optimizers": optimizers,
-                "lrs": lrs, "steps": lengths, "seeds": args.seeds}
+                "rows": rows, "lrs": lrs, "steps": lengths, "seeds": args.seeds}
     plan = [{"workload": w, "optimizer": o, "steps": s, "lr": lr, "seed": seed}
             for s, w, seed, o, lr in itertools.product(lengths, workloads, args.seeds,
                                                        optimizers, lrs)]
@@ -371,8 +300,8 @@ def main(argv: list[str] | None = None) -> int:
               f"ETA {_clock(eta)} | {p['workload']} {p['optimizer']} lr {p['lr']:g} "
               f"{p['steps']} steps seed {p['seed']}", flush=True)
         name = f"{p['workload']}/{p['optimizer']}/lr{p['lr']:g}/s{p['seed']}"
-        cfg = make_config(w, common, p["optimizer"], p["steps"], p["lr"], p["seed"], name,
-                          args.timeout)
+        cfg = make_config(w, common, (p["optimizer"], rows[p["optimizer"]]), p["steps"], p["lr"],
+                          p["seed"], name, args.timeout)
         return run(dataclasses.replace(cfg, threads=threads))
 
     if jobs > 1:

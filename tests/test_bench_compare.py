@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import math
 
 import numpy as np
@@ -11,7 +12,7 @@ import pytest
 import torch
 from dist import run_ranks
 
-from bench.compare import QUALITY, make_configs, parse_name, resolve_device, sync_warnings
+from bench.compare import QUALITY, make_configs, resolve_device, sync_warnings
 from bench.compare_report import (
     evaluate_targets,
     formula_bytes,
@@ -20,7 +21,7 @@ from bench.compare_report import (
     render_markdown,
     speed_table,
 )
-from bench.engine.local_sgd_opts import parse_local_name
+from bench.engine.rows import ROWS, resolve
 from bench.engine.runner import RunConfig, lr_at, summarize
 from bench.engine.topk_baseline import TopKAdamS
 
@@ -209,8 +210,9 @@ def test_summarize_uses_the_steady_window():
 
 
 def _fake_run(name: str, loss: float | None, nbytes: float, step_s: float) -> dict:
-    opt, sp = parse_name(name)
-    return {"name": name, "config": {"optimizer": opt, "sparsity": sp}, "params": 1000,
+    fields = resolve(name)[1]
+    return {"name": name, "config": {"optimizer": fields["optimizer"],
+                                     "sparsity": fields["sparsity"]}, "params": 1000,
             "final_val_loss": loss, "val_curve": [] if loss is None else [[4, loss]],
             "bytes_per_step_total": nbytes, "bytes_per_step_mean_all_steps": nbytes,
             "median_step_s": step_s, "median_wait_s": step_s / 3,
@@ -334,77 +336,94 @@ def test_tracker_eta_calibrates_from_measured_steps(monkeypatch):
     assert "quality adams step 5/10" in lines[-2]
 
 
-@pytest.mark.parametrize("name, expected", [("scape-0.9", ("scape", 0.9)),
-                                            ("adamw_ddp", ("adamw_ddp", 0.0)),
-                                            ("compute_only", ("compute_only", 0.99)),
-                                            ("sparseloco-h8-d0.01", ("sparseloco", 0.0)),
-                                            ("diloco-h32", ("diloco", 0.0)),
-                                            ("scape-0.99-embed0.9", ("scape", 0.99)),
-                                            ("compute_only-embed0", ("compute_only", 0.99))])
-def test_parse_name(name, expected):
-    assert parse_name(name) == expected
+@pytest.mark.parametrize("name, expected", [
+    ("scape-0.9", {"optimizer": "scape", "sparsity": 0.9}),
+    ("adamw_ddp", {"optimizer": "adamw_ddp", "sparsity": 0.0}),
+    ("compute_only", {"optimizer": "compute_only", "sparsity": 0.99}),
+    ("sparseloco-h8-d0.01", {"optimizer": "sparseloco", "sparsity": 0.0, "optimizer_kwargs":
+                             {"sync_every": 8, "density": 0.01, "value_bits": 2}}),
+    ("diloco-h32", {"optimizer": "diloco", "sparsity": 0.0,
+                    "optimizer_kwargs": {"sync_every": 32}}),
+    ("scape-0.99-embed0.9", {"optimizer": "scape", "sparsity": 0.99,
+                             "group_sparsity": {"embed": 0.9}}),
+    ("scape-0.99@robust", {"optimizer": "scape", "sparsity": 0.99,
+                           "optimizer_kwargs": {"update": "robust"}})])
+def test_rows_are_looked_up_by_name(name, expected):
+    assert resolve(name) == (name, expected)
 
 
-def test_embed_suffix_sets_the_embedding_group():
-    from bench.compare import embed_sparsity, make_configs
+def test_rows_as_json_or_toml(tmp_path):
+    """A row not in the table comes as JSON, inline or in a file, or as TOML: the same fields,
+    the name its own; ``sparsity`` 0 by default for an optimizer that sends everything."""
+    row = {"name": "scape-0.95-ramp", "optimizer": "scape", "sparsity": 0.95,
+           "optimizer_kwargs": {"update": "early"}, "group_sparsity": {"embed": 0.5},
+           "sparsity_ramp": [0.5, 20]}
+    want = ("scape-0.95-ramp", {k: v for k, v in row.items() if k != "name"}
+            | {"sparsity_ramp": (0.5, 20)})
+    assert resolve(json.dumps(row)) == want
+    (tmp_path / "row.json").write_text(json.dumps(row))
+    assert resolve(str(tmp_path / "row.json")) == want
+    (tmp_path / "row.toml").write_text(
+        'name = "scape-0.95-ramp"\noptimizer = "scape"\nsparsity = 0.95\n'
+        'sparsity_ramp = [0.5, 20]\ngroup_sparsity = {embed = 0.5}\n'
+        'optimizer_kwargs = {update = "early"}\n')
+    assert resolve(str(tmp_path / "row.toml")) == want
+    assert resolve('{"name": "d", "optimizer": "dist_adamw"}') == (
+        "d", {"optimizer": "dist_adamw", "sparsity": 0.0})
+    w = dict(model="tiny", world=2, steps=6, batch=2, seq=64, lr=3e-3, warmup_steps=2,
+             eval_every=3, eval_seqs=4)
+    (cfg,) = make_configs([json.dumps(row)], w, None, None, 60.0)
+    assert (cfg.name, cfg.sparsity, cfg.sparsity_ramp) == ("scape-0.95-ramp", 0.95, (0.5, 20))
+    assert cfg.optimizer_kwargs == {"warmup_steps": 2, "update": "early"}  # the row's own wins
+    assert cfg.group_sparsity == {"embed": 0.5}
 
-    assert embed_sparsity("scape-0.99") is None and embed_sparsity("scape-0.99-embed0.9") == 0.9
-    for bad, match in (("scape-0.99-embedx", "bad embedding sparsity"),
-                       ("scape-0.99-embed1.5", r"must be in \[0, 1\)"),
-                       ("topk-0.99-embed0.9", "applies to scape and compute_only")):
-        with pytest.raises(ValueError, match=match):
-            embed_sparsity(bad)
+
+def test_embed_row_sets_the_embedding_group():
     w = dict(model="tiny", world=2, steps=6, batch=2, seq=64, lr=3e-3, warmup_steps=2,
              eval_every=3, eval_seqs=4)
     plain, split = make_configs(["scape-0.99", "scape-0.99-embed0.9"], w, None, None, 60.0)
     assert plain.group_sparsity is None and split.group_sparsity == {"embed": 0.9}
     assert split.sparsity == plain.sparsity == 0.99 and split.name == "scape-0.99-embed0.9"
+    for bad, match in (({"embed": 1.5}, r"must be in \[0, 1\)"),):
+        with pytest.raises(ValueError, match=match):
+            make_configs([json.dumps({"name": "x", "optimizer": "scape", "sparsity": 0.99,
+                                      "group_sparsity": bad})], w, None, None, 60.0)
+    with pytest.raises(ValueError, match="group_sparsity applies to the scape and "
+                                         "compute_only rows"):
+        make_configs([json.dumps({"name": "x", "optimizer": "topk", "sparsity": 0.99,
+                                  "group_sparsity": {"embed": 0.9}})], w, None, None, 60.0)
 
 
-def test_parse_name_rejects():
-    with pytest.raises(ValueError, match="unknown optimizer 'sgd'"):
-        parse_name("sgd")
-    with pytest.raises(ValueError, match="needs a sparsity"):
-        parse_name("scape")
-
-
-@pytest.mark.parametrize("name, expected", [
-    pytest.param("sparseloco-h8-d0.01", ("sparseloco", {"sync_every": 8, "density": 0.01,
-                                                        "value_bits": 2}), id="2-bit-default"),
-    pytest.param("sparseloco-h32-d0.03-b4", ("sparseloco", {"sync_every": 32, "density": 0.03,
-                                                            "value_bits": 4}), id="4-bit"),
-    pytest.param("sparseloco-h1-d1e-3-b32", ("sparseloco", {"sync_every": 1, "density": 1e-3,
-                                                            "value_bits": 32}), id="exp-density"),
-    pytest.param("diloco-h32", ("diloco", {"sync_every": 32}), id="diloco"),
+@pytest.mark.parametrize("spec, match", [
+    pytest.param("sgd", "unknown row 'sgd'", id="unknown-name"),
+    pytest.param("scape-0.97", "unknown row 'scape-0.97'", id="names-are-not-parsed"),
+    pytest.param('{"optimizer": "scape"}', "an object with a 'name'", id="no-name"),
+    pytest.param('{"name": "x", "optimizer": "sgd"}', "optimizer must be one of",
+                 id="unknown-optimizer"),
+    pytest.param('{"name": "x", "optimizer": "scape", "lr": 1}', r"unknown fields \['lr'\]",
+                 id="a-job-field"),
+    pytest.param('{"name": "x", "optimizer": "scape", "optimizer_kwargs": {"update": "nope"}}',
+                 "unknown rule 'nope'", id="unknown-rule"),
+    pytest.param('{"name": "a/b", "optimizer": "adams"}', "without '/'", id="slash"),
+    pytest.param('{"name": "x", "optimizer": ', "not valid JSON", id="bad-json"),
 ])
-def test_parse_local_name(name, expected):
-    assert parse_local_name(name) == expected
+def test_rows_refused(spec, match):
+    with pytest.raises(ValueError, match=match):
+        resolve(spec)
 
 
-@pytest.mark.parametrize("name, why", [
-    pytest.param("sparseloco-h8", "matches neither form", id="no-density"),
-    pytest.param("sparseloco-d0.01", "matches neither form", id="no-H"),
-    pytest.param("sparseloco-h0-d0.01", "H must be >= 1, got 0", id="H-zero"),
-    pytest.param("sparseloco-h8-d0", r"density must be in \(0, 1\], got 0", id="density-0"),
-    pytest.param("sparseloco-h8-d1.5", r"density must be in \(0, 1\], got 1.5", id="density>1"),
-    pytest.param("sparseloco-h8-d0.01-b3", r"bits must be one of \(2, 4, 8, 16, 32\), got 3",
-                 id="bits"),
-    pytest.param("sparseloco-h8-d0..1", "density '0..1' is not a number", id="density-nan"),
-    pytest.param("diloco", "matches neither form", id="diloco-no-H"),
-    pytest.param("diloco-8", "matches neither form", id="diloco-bare-number"),
-])
-def test_parse_local_name_rejects_with_the_expected_form(name, why):
-    with pytest.raises(ValueError, match=why) as info:
-        parse_local_name(name)
-    assert "expected sparseloco-h<H>-d<density>[-b<bits>]" in str(info.value)
-    assert "diloco-h<H>" in str(info.value)
-    with pytest.raises(ValueError, match="--optimizers: bad local-step row name"):
-        parse_name(name)
+def test_every_row_of_the_table_is_valid():
+    for name in ROWS:
+        fields = resolve(name)[1]
+        RunConfig(**fields, model="llama-tiny", world=2, imports=[])  # (an untied head)
 
 
 def test_make_configs_local_rows_and_sync_warnings():
     w = dict(QUALITY, steps=40)
-    cfgs = make_configs(["adams", "sparseloco-h8-d0.03-b4", "diloco-h32"], w, None, None, 60.0)
+    four_bit = json.dumps({"name": "sparseloco-h8-d0.03-b4", "optimizer": "sparseloco",
+                           "optimizer_kwargs": {"sync_every": 8, "density": 0.03,
+                                                "value_bits": 4}})
+    cfgs = make_configs(["adams", four_bit, "diloco-h32"], w, None, None, 60.0)
     assert [c.optimizer for c in cfgs] == ["adams", "sparseloco", "diloco"]
     assert cfgs[1].optimizer_kwargs == {"sync_every": 8, "density": 0.03, "value_bits": 4}
     assert cfgs[2].optimizer_kwargs == {"sync_every": 32} and cfgs[2].sparsity == 0.0

@@ -12,8 +12,9 @@ import sys
 import pytest
 import torch
 
+from bench.engine.rows import resolve
 from bench.engine.runner import RunConfig
-from bench.lr_sweep import COMMON, WORKLOADS, make_config, parse_row
+from bench.lr_sweep import COMMON, WORKLOADS, make_config
 from bench.lr_sweep_report import curves, markdown, select_best
 from bench.workloads.llama import (
     PRESETS,
@@ -26,6 +27,11 @@ from bench.workloads.llama import (
 from bench.workloads.prose import NAME, chunks, load, load_prose, paragraphs, split
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def row(name: str, **fields) -> str:
+    """A row as ``--optimizers`` takes it when it is not in the table: JSON."""
+    return json.dumps({"name": name, **fields})
 
 
 # --------------------------------------------------------------------------- the corpus
@@ -238,31 +244,31 @@ def test_warmup_steps_reach_the_sparse_rows_only():
     assert proc.returncode == 2 and "--warmup-steps must be >= 1" in proc.stderr
 
 
-def test_a_rule_suffix_reaches_scape_rows_and_bad_ones_are_refused():
+def test_a_rule_reaches_scape_rows_and_bad_ones_are_refused():
     wl = WORKLOADS["llama"]
-    cfg = make_config(wl, dict(COMMON, warmup_steps=2), "scape-0.9@early", 600, 3e-4, 0, "x",
-                      60.0)
+    early = row("scape-0.9-early", optimizer="scape", sparsity=0.9,
+                optimizer_kwargs={"update": "early"})
+    cfg = make_config(wl, dict(COMMON, warmup_steps=2), early, 600, 3e-4, 0, "x", 60.0)
     assert (cfg.optimizer, cfg.sparsity) == ("scape", 0.9)
     assert cfg.optimizer_kwargs == {"warmup_steps": 2, "update": "early"}
-    assert parse_row("scape-0.99") == ("scape", 0.99, None, None, None, None)
-    assert parse_row("scape-0.99@robust") == ("scape", 0.99, "robust", None, None, None)
+    cfg = make_config(wl, COMMON, "scape-0.99@robust", 600, 3e-4, 0, "x", 60.0)
+    assert (cfg.sparsity, cfg.optimizer_kwargs) == (0.99, {"update": "robust"})
+    nope = row("scape-0.99-nope", optimizer="scape", sparsity=0.99,
+               optimizer_kwargs={"update": "nope"})
     with pytest.raises(ValueError, match="unknown rule 'nope'.*auto"):
-        parse_row("scape-0.99@nope")
-    with pytest.raises(ValueError, match="scape rows only"):
-        parse_row("topk-0.99@auto")
+        resolve(nope)
     proc = subprocess.run([sys.executable, "-m", "bench.lr_sweep", "--smoke", "--out", "x.json",
-                           "--optimizers", "adams", "scape-0.99@nope"], cwd=ROOT, timeout=60,
+                           "--optimizers", "adams", nope], cwd=ROOT, timeout=60,
                           capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=ROOT))
     assert proc.returncode == 2 and "unknown rule 'nope'" in proc.stderr
 
 
-def test_group_suffixes_split_the_one_group_and_keep_its_decay():
+def test_group_rows_split_the_one_group_and_keep_their_decay():
     from bench.engine.run_rank import make_groups
 
-    assert parse_row("scape-0.99-embed0.9-head0.97@robust") == \
-        ("scape", 0.99, "robust", {"embed": 0.9, "head": 0.97}, None, None)
-    cfg = make_config(WORKLOADS["llama"], COMMON, "scape-0.99-embed0.9-head0.97", 600, 3e-4, 0,
-                      "x", 60.0)
+    split = row("split", optimizer="scape", sparsity=0.99,
+                group_sparsity={"embed": 0.9, "head": 0.97})
+    cfg = make_config(WORKLOADS["llama"], COMMON, split, 600, 3e-4, 0, "x", 60.0)
     assert cfg.group_sparsity == {"embed": 0.9, "head": 0.97} and cfg.one_group
     model = make_model("llama-tiny", seed=3)
     groups = make_groups(model, cfg)
@@ -275,23 +281,32 @@ def test_group_suffixes_split_the_one_group_and_keep_its_decay():
     one = make_groups(model, make_config(WORKLOADS["llama"], COMMON, "scape-0.99", 600, 3e-4, 0,
                                          "x", 60.0))
     assert len(one) == 1 and "sparsity" not in one[0]
-    for bad, match in [("adams-embed0.9", "bad sparsity"), ("scape-0.99-embed1.5", "embed"),
-                       ("topk-0.99-head0.9", "scape rows only"),
-                       ("scape-0.99-ramp1.5x20", "ramp1.5x20"),
-                       ("scape-0.99-ramp0.5", "ramp0.5"), ("topk-0.99-ramp0.5x2", "scape rows")]:
+    for fields, match in [
+            ({"optimizer": "adams", "group_sparsity": {"embed": 0.9}}, "group_sparsity applies"),
+            ({"optimizer": "scape", "group_sparsity": {"embed": 1.5}}, "embed"),
+            ({"optimizer": "topk", "group_sparsity": {"head": 0.9}}, "group_sparsity applies"),
+            ({"optimizer": "scape", "sparsity_ramp": [1.5, 20]}, "Invalid sparsity: 1.5"),
+            ({"optimizer": "topk", "sparsity_ramp": [0.5, 2]}, "applies to scape rows")]:
         with pytest.raises(ValueError, match=match):
-            parse_row(bad)
+            make_config(WORKLOADS["llama"], COMMON, row("bad", sparsity=0.99, **fields), 600,
+                        3e-4, 0, "x", 60.0)
 
 
 @pytest.fixture(scope="module")
 def smoke_rows(tmp_path_factory) -> dict:
-    """One smoke sweep of the plain row beside its ramp, follow and drift rows, by optimizer
-    (the last two are the research's: the sweep runs under ``python -m bench.research``)."""
+    """One smoke sweep of the plain row beside its ramp, follow and drift rows (JSON rows),
+    by row name (the last two are the research's hooks: the sweep runs under ``python -m
+    bench.research``)."""
     out = tmp_path_factory.mktemp("rows") / "s.json"
+    plain = {"optimizer": "scape", "sparsity": 0.9}
     proc = subprocess.run([sys.executable, "-m", "bench.research", "bench.lr_sweep", "--smoke",
                            "--out", str(out),
                            "--workloads", "gpt", "--optimizers", "adams", "scape-0.9",
-                           "scape-0.9-ramp0.5x2", "scape-0.9-follow1", "scape-0.9-drift",
+                           row("scape-0.9-ramp0.5x2", **plain, sparsity_ramp=[0.5, 2]),
+                           row("scape-0.9-follow1", **plain,
+                               hooks={"bench.research.follow:Hook": {"q": 1.0}}),
+                           row("scape-0.9-drift", **plain,
+                               hooks={"bench.research.drift:hook": {}}),
                            "--lrs", "1e-3"],
                           cwd=ROOT, timeout=300, capture_output=True, text=True,
                           env=dict(os.environ, PYTHONPATH=ROOT))
@@ -300,10 +315,12 @@ def smoke_rows(tmp_path_factory) -> dict:
 
 
 def test_a_ramp_row_writes_the_sparsity_before_each_sparse_step(smoke_rows):
-    """``-ramp<s0>x<n>`` reaches ``RunConfig.sparsity_ramp``; a run of it sends more bytes on
-    its first sparse steps than later, and the same as the plain row once the ramp is over."""
+    """A row's ``sparsity_ramp`` reaches ``RunConfig.sparsity_ramp``; a run of it sends more
+    bytes on its first sparse steps than later, and the same as the plain row once the ramp is
+    over."""
     cfg = make_config(WORKLOADS["gpt"], dict(COMMON, warmup_steps=2),
-                      "scape-0.99-ramp0.5x3@robust", 600, 3e-4, 0, "x", 60.0)
+                      row("r", optimizer="scape", sparsity=0.99, sparsity_ramp=[0.5, 3],
+                          optimizer_kwargs={"update": "robust"}), 600, 3e-4, 0, "x", 60.0)
     assert cfg.sparsity_ramp == (0.5, 3) and cfg.optimizer_kwargs["update"] == "robust"
     plain, ramp = smoke_rows["scape-0.9"], smoke_rows["scape-0.9-ramp0.5x2"]
     assert ramp["dense_steps"] == plain["dense_steps"] == 2
@@ -314,17 +331,17 @@ def test_a_ramp_row_writes_the_sparsity_before_each_sparse_step(smoke_rows):
 
 @pytest.mark.parametrize("q", [0.5, 1.0, 2.0])
 def test_a_follow_row_spends_the_same_bytes_while_the_lr_is_high(q):
-    """``-follow<q>`` (the research's row suffix, :mod:`bench.research.follow`) reaches
+    """A follow row (the research's hook, :mod:`bench.research.follow`) reaches
     ``RunConfig.hooks``; the density after the ramp follows ``(lr / peak)^q`` (largest at the
     peak, falling with the cosine) and its mean over those steps is the row's own."""
     from bench.engine.run_config import lr_at
-    from bench.research.follow import follow_density, follow_mean  # registers the suffixes
+    from bench.research.follow import follow_density, follow_mean  # registers the research
 
-    row = f"scape-0.99-ramp0.5x20-follow{q:g}@early"
     hooks = {"bench.research.follow:Hook": {"q": q}}
-    assert parse_row(row) == ("scape", 0.99, "early", None, (0.5, 20), hooks)
-    cfg = make_config(WORKLOADS["gpt"], dict(COMMON, warmup_steps=1), row, 2000, 7e-4, 0, "x",
-                      60.0)
+    follow = row(f"scape-0.99-ramp0.5x20-follow{q:g}@early", optimizer="scape", sparsity=0.99,
+                 optimizer_kwargs={"update": "early"}, sparsity_ramp=[0.5, 20], hooks=hooks)
+    cfg = make_config(WORKLOADS["gpt"], dict(COMMON, warmup_steps=1), follow, 2000, 7e-4, 0,
+                      "x", 60.0)
     assert cfg.hooks == hooks and cfg.sparsity_ramp == (0.5, 20)
     mean = follow_mean(cfg, q)
     first = cfg.warmup_steps + 20  # the first step the schedule sends: masks made one before
@@ -342,13 +359,11 @@ def test_a_follow_row_spends_the_same_bytes_while_the_lr_is_high(q):
         RunConfig(hooks={"bench.research.follow:Hook": {"q": 0.0}})
     with pytest.raises(ValueError, match="turn dense at the peak lr"):
         RunConfig(sparsity=0.3, hooks=hooks, steps=200)
-    # with the research loaded its rules and with_options' names pass too
-    assert parse_row("scape-0.99@robust-explore0.2").rule == "robust-explore0.2"
-    assert parse_row("scape-0.9@catchup_agree_trust2_accum").rule == "catchup_agree_trust2_accum"
-    for bad, match in [("scape-0.99-follow0", "follow0"), ("scape-0.99-followx", "followx"),
-                       ("topk-0.99-follow1", "scape rows")]:
-        with pytest.raises(ValueError, match=match):
-            parse_row(bad)
+    # with the research loaded its rows (by name) and rules pass too
+    assert resolve("scape-0.99-ramp0.5x20-follow1@early")[1]["hooks"] == {
+        "bench.research.follow:Hook": {"q": 1.0}}
+    assert resolve("scape-0.9@catchup_agree_trust2_accum")[1]["optimizer_kwargs"] == {
+        "update": "catchup_agree_trust2_accum"}
 
 
 def test_a_follow_row_reaches_the_ranks(smoke_rows):

@@ -80,8 +80,8 @@ def test_removed_keywords_are_refused_with_the_replacement(key):
 
 def test_research_rule_names_build_in_a_fresh_process():
     """A rank of the runner never called ``with_options``: once ``bench.research`` is imported
-    (a ``RunConfig.imports`` entry), the names it added to ``RULE_NAMES`` rebuild such a rule
-    from its name, and every research rule is taken by name; the table alone knows neither."""
+    (a ``RunConfig.imports`` entry), the option rules of its table (``OPTION_RULES``) are
+    registered by name, as every research rule is; the optimizer table alone knows neither."""
     code = (
         "import torch\n"
         "from bench.engine.optimizers import Spec, build, check_rule\n"

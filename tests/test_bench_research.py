@@ -169,7 +169,10 @@ def test_convergence_local_step_row_smoke(tmp_path):
     from bench.workloads.gpt import GPT, get_config, param_groups
 
     rep = _run("bench.research.convergence", str(tmp_path / "c.json"), "--variants", "none",
-               "--local", "sparseloco-h3-d0.03", "--adamw-reference")
+               "--local", json.dumps({"name": "sparseloco-h3-d0.03", "optimizer": "sparseloco",
+                                      "optimizer_kwargs": {"sync_every": 3, "density": 0.03,
+                                                           "value_bits": 2}}),
+               "--adamw-reference")
     assert rep["schema"] == "scape.convergence/1" and rep["warnings"] == []
     dense, adamw, local = rep["results"]
     assert adamw["variant"] == {"name": f"dense-adamw-lr{rep['dense_lr']:g}",

@@ -163,7 +163,12 @@ def test_compare_local_step_rows_smoke(tmp_path):
     steps = 8
     stdout = _run(["bench.compare", "--quick", "--leg", "speed", "--speed-steps", str(steps),
                    "--bandwidth", "none", "--optimizers", "adams", "scape-0.99-embed0.9",
-                   "sparseloco-h4-d0.03", "diloco-h3", "--out", str(out)], timeout=130)
+                   json.dumps({"name": "sparseloco-h4-d0.03", "optimizer": "sparseloco",
+                               "optimizer_kwargs": {"sync_every": 4, "density": 0.03,
+                                                    "value_bits": 2}}),
+                   json.dumps({"name": "diloco-h3", "optimizer": "diloco",
+                               "optimizer_kwargs": {"sync_every": 3}}),
+                   "--out", str(out)], timeout=130)
     report = json.loads((out / "report.json").read_text())
     assert report["schema"] == "scape.compare/2" and report["quality"] is None
     leg = report["speed"]

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import scape
-from bench.lr_sweep import parse_row
+from bench.engine.rows import resolve
 from bench.research.drift import Drift
 
 
@@ -79,9 +79,14 @@ def test_each_coordinate_follows_its_last_rate():
     assert p.detach()[2] == 0.0  # never sent: never moved
 
 
-def test_the_row_suffix():
-    assert parse_row("scape-0.9-ramp0.5x20-drift@early") == (
-        "scape", 0.9, "early", None, (0.5, 20), {"bench.research.drift:hook": {}})
-    assert parse_row("scape-0.9@early").hooks is None
-    with pytest.raises(ValueError, match="scape rows only"):
-        parse_row("topk-0.9-drift")
+def test_the_drift_row():
+    """The research registers its ``-drift`` row by name: the hook entry, nothing parsed; the
+    hook refuses a row that is not SCAPE before launch."""
+    from bench.engine.runner import RunConfig
+
+    assert resolve("scape-0.9-ramp0.5x20-drift@early") == (
+        "scape-0.9-ramp0.5x20-drift@early",
+        {"optimizer": "scape", "sparsity": 0.9, "optimizer_kwargs": {"update": "early"},
+         "sparsity_ramp": (0.5, 20), "hooks": {"bench.research.drift:hook": {}}})
+    with pytest.raises(ValueError, match="drift applies to scape rows"):
+        RunConfig(optimizer="topk", sparsity=0.9, hooks={"bench.research.drift:hook": {}})

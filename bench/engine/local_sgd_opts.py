@@ -14,9 +14,10 @@ the mean over all steps (``bytes_per_step_mean_all_steps``), which is the averag
 period when ``steps`` is a multiple of every ``H`` (the final validation loss is then also
 taken right after a sync, on the synchronized model).
 
-Row names (:func:`parse_local_name`, shared by ``bench.compare --optimizers`` and
-``bench.research.convergence --local``): ``sparseloco-h<H>-d<density>[-b<bits>]`` (2-bit values by
-default) and ``diloco-h<H>``; the other outer hyperparameters are the library's defaults.
+Rows (``bench.compare --optimizers``, ``bench.research.convergence --local``): the local-step
+rows of :data:`bench.engine.rows.ROWS` (``sparseloco-h8-d0.01``, ..., ``diloco-h32``), or a JSON
+row with ``"optimizer": "sparseloco"`` and its ``optimizer_kwargs``; the other outer
+hyperparameters are the library's defaults.
 
 Running this module compares them with dense sharded AdamS and SCAPE on one workload and
 token budget (:data:`WORKLOAD`: ``bench.compare``'s workload as it was measured for the
@@ -32,20 +33,16 @@ import argparse
 import datetime
 import json
 import os
-import re
 import time
 from typing import Any
 
 from bench.engine.optimizers import LOCAL_STEPS
 from bench.engine.report import fmt, markdown_table
+from bench.engine.rows import resolve as resolve_row
 from bench.engine.runner import RunConfig, run
 
 LOCAL_SGD = LOCAL_STEPS
 """Values of ``RunConfig.optimizer`` that take local steps (:mod:`bench.engine.optimizers`)."""
-
-VALUE_BITS = (2, 4, 8, 16, 32)
-"""The ``value_bits`` ``scape.SparseLoCo`` accepts (its docstring), checked here so that a bad
-row name fails before any run starts."""
 
 WORKLOAD = dict(model="small", world=4, steps=64, batch=4, seq=128, lr=3e-3, warmup_steps=20,
                 eval_every=64, eval_seqs=64)
@@ -54,53 +51,6 @@ WORKLOAD = dict(model="small", world=4, steps=64, batch=4, seq=128, lr=3e-3, war
 SMOKE = dict(model="tiny", world=2, steps=8, batch=2, seq=64, lr=3e-3, warmup_steps=2,
              eval_every=8, eval_seqs=4)
 """``--smoke``: ``bench.compare``'s smoke workload over 8 steps (one sync of H = 8)."""
-
-
-NAME_FORMS = ("sparseloco-h<H>-d<density>[-b<bits>] (e.g. sparseloco-h8-d0.01, "
-              "sparseloco-h32-d0.03-b4; 2-bit values unless -b says otherwise) or "
-              "diloco-h<H> (e.g. diloco-h8)")
-"""The row names ``bench.compare --optimizers`` and ``bench.research.convergence --local``
-accept."""
-
-_SPARSELOCO_NAME = re.compile(
-    r"sparseloco-h(?P<h>[0-9]+)-d(?P<d>[0-9.eE+-]+?)(?:-b(?P<b>[0-9]+))?")
-_DILOCO_NAME = re.compile(r"diloco-h(?P<h>[0-9]+)")
-
-
-def is_local_name(name: str) -> bool:
-    """Whether ``name`` asks for a local-step row (``sparseloco-...`` or ``diloco-...``)."""
-    return name.split("-")[0] in LOCAL_SGD
-
-
-def parse_local_name(name: str) -> tuple[str, dict[str, Any]]:
-    """``(RunConfig.optimizer, optimizer_kwargs)`` of a local-step row name.
-
-    ``"sparseloco-h8-d0.01"`` -> ``("sparseloco", {"sync_every": 8, "density": 0.01,
-    "value_bits": 2})``; ``"sparseloco-h32-d0.03-b4"`` has ``"value_bits": 4``;
-    ``"diloco-h32"`` -> ``("diloco", {"sync_every": 32})``. The other outer hyperparameters
-    are the library's defaults. Raises ``ValueError`` naming the expected forms.
-    """
-    def bad(why: str) -> ValueError:
-        return ValueError(f"bad local-step row name {name!r}: {why}; expected {NAME_FORMS}")
-
-    m = _SPARSELOCO_NAME.fullmatch(name) or _DILOCO_NAME.fullmatch(name)
-    if m is None:
-        raise bad("it matches neither form")
-    h = int(m["h"])
-    if h < 1:
-        raise bad(f"H must be >= 1, got {h}")
-    if name.startswith("diloco"):
-        return "diloco", {"sync_every": h}
-    try:
-        density = float(m["d"])
-    except ValueError:
-        raise bad(f"density {m['d']!r} is not a number") from None
-    if not 0.0 < density <= 1.0:
-        raise bad(f"density must be in (0, 1], got {density:g}")
-    bits = int(m["b"]) if m["b"] else 2
-    if bits not in VALUE_BITS:
-        raise bad(f"bits must be one of {VALUE_BITS}, got {bits}")
-    return "sparseloco", {"sync_every": h, "density": density, "value_bits": bits}
 
 
 def sync_warning(name: str, sync_every: int, steps: int) -> str | None:
@@ -127,38 +77,28 @@ def steady_bytes(run: dict[str, Any]) -> tuple[float, str]:
 
 
 # --------------------------------------------------------------------------- the comparison
-ROWS: tuple[tuple[str, str, dict[str, Any]], ...] = (
-    ("adams", "adams", {}),
-    ("scape-0.99", "scape", {}),
-    ("diloco-H8", "diloco", {"sync_every": 8}),
-    ("diloco-H32", "diloco", {"sync_every": 32}),
-    ("sparseloco-H8-d1%-2bit", "sparseloco",
-     {"sync_every": 8, "density": 0.01, "value_bits": 2}),
-    ("sparseloco-H8-d3%-2bit", "sparseloco",
-     {"sync_every": 8, "density": 0.03, "value_bits": 2}),
-    ("sparseloco-H32-d1%-2bit", "sparseloco",
-     {"sync_every": 32, "density": 0.01, "value_bits": 2}),
-    ("sparseloco-H32-d3%-2bit", "sparseloco",
-     {"sync_every": 32, "density": 0.03, "value_bits": 2}),
-)
-"""(label, RunConfig.optimizer, optimizer_kwargs) of every row."""
+ROWS = ("adams", "scape-0.99", "diloco-h8", "diloco-h32", "sparseloco-h8-d0.01",
+        "sparseloco-h8-d0.03", "sparseloco-h32-d0.01", "sparseloco-h32-d0.03")
+"""The rows compared, by name (:data:`bench.engine.rows.ROWS`): SparseLoCo at H = 8, 32 and
+density 1%, 3% with 2-bit values, DiLoCo at H = 8, 32."""
 
 
-def configs(workload: dict[str, Any], rows: tuple = ROWS,
+def configs(workload: dict[str, Any], rows: tuple[str, ...] = ROWS,
             timeout_s: float = 1800.0) -> list[RunConfig]:
+    """A RunConfig per row on ``workload`` (SCAPE's dense warm-up: ``warmup_steps``)."""
     w = workload
     skip = min(w["steps"] - 1, w["warmup_steps"] + 2)
     out = []
-    for label, opt, kw in rows:
-        kwargs = dict(kw)
-        sparsity = 0.0
-        if opt == "scape":
-            sparsity, kwargs = 0.99, {"warmup_steps": w["warmup_steps"], **kwargs}
-        out.append(RunConfig(optimizer=opt, sparsity=sparsity, optimizer_kwargs=kwargs,
+    for name in rows:
+        name, fields = resolve_row(name)
+        kwargs = dict(fields.get("optimizer_kwargs") or {})
+        if fields["optimizer"] == "scape":
+            kwargs = {"warmup_steps": w["warmup_steps"], **kwargs}
+        out.append(RunConfig(**{**fields, "optimizer_kwargs": kwargs},
                              model=w["model"], world=w["world"], steps=w["steps"],
                              batch=w["batch"], seq=w["seq"], lr=w["lr"],
                              eval_every=w["eval_every"], eval_seqs=w["eval_seqs"],
-                             timing_skip=skip, log_every=0, timeout_s=timeout_s, name=label))
+                             timing_skip=skip, log_every=0, timeout_s=timeout_s, name=name))
     return out
 
 
@@ -190,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="SparseLoCo and DiLoCo beside AdamS and SCAPE")
     ap.add_argument("--out", default="out/local_sgd")
     ap.add_argument("--steps", type=int, default=None, help="default: WORKLOAD's (64)")
-    ap.add_argument("--only", nargs="+", default=None, help="labels of ROWS to run")
+    ap.add_argument("--only", nargs="+", default=None, help="names of ROWS to run")
     ap.add_argument("--smoke", action="store_true", help="tiny model, W=2, 8 steps")
     args = ap.parse_args(argv)
     w = dict(SMOKE if args.smoke else WORKLOAD)
@@ -200,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         w["steps"] = args.steps or w["steps"]
         rows = ROWS
     if args.only:
-        rows = tuple(r for r in rows if r[0] in args.only)
+        rows = tuple(r for r in rows if r in args.only)
     w["eval_every"] = w["steps"]
     os.makedirs(args.out, exist_ok=True)
     started = time.perf_counter()

@@ -4,10 +4,11 @@ the optimizer's public attributes) and into the benchmarks' engine through its r
 library and the engine import nothing from here.
 
 Importing this package registers the research: the research rules (:mod:`bench.research.rules`,
-``scape.SCAPE(..., update="catchup_agree_trust2_accum")`` works afterwards), the
-``-follow<q>`` and ``-drift`` rows of ``bench.lr_sweep`` (:data:`bench.lr_sweep.ROW_HOOKS`), and
-its own name in :data:`bench.engine.run_config.PLUGINS`, so the ranks of every run built while it
-is loaded import it too. ``python -m bench.research bench.lr_sweep ARGS`` runs a job with it.
+``scape.SCAPE(..., update="catchup_agree_trust2_accum")`` works afterwards), the research's
+rows of the benchmark jobs (:mod:`bench.research.sweep_rows`, into
+:data:`bench.engine.rows.ROWS`), and its own name in :data:`bench.engine.run_config.PLUGINS`, so
+the ranks of every run built while it is loaded import it too. ``python -m bench.research
+bench.lr_sweep ARGS`` runs a job with it.
 
 - :mod:`bench.research.rows`: the rows of the convergence ablation (``python -m
   bench.research.convergence --variants NAME``) and the schedules they run (ramps, the measured
@@ -15,16 +16,15 @@ is loaded import it too. ``python -m bench.research bench.lr_sweep ARGS`` runs a
 - :mod:`bench.research.allot`: the per-group split of one sparsity budget, made from outside
   the optimizer.
 - :mod:`bench.research.rotate`: training in a transform domain (the ``-dct64`` rows).
-- :mod:`bench.research.drift`, :mod:`bench.research.follow`: the rank hooks of ``-drift`` and
-  ``-follow<q>``.
+- :mod:`bench.research.drift`, :mod:`bench.research.follow`: the rank hooks of the ``-drift``
+  and ``-follow1`` rows (``RunConfig.hooks``).
 """
 
-from bench import lr_sweep
 from bench.engine import run_config
-from bench.research import drift, follow, rules  # noqa: F401 (rules registers on import)
+from bench.research import (
+    rules,  # noqa: F401 (registers the research rules on import)
+    sweep_rows,  # noqa: F401 (registers the research's rows on import)
+)
 
 if __name__ not in run_config.PLUGINS:
     run_config.PLUGINS.append(__name__)
-for _row in (follow.row, drift.row):
-    if _row not in lr_sweep.ROW_HOOKS:
-        lr_sweep.ROW_HOOKS.append(_row)

@@ -23,8 +23,10 @@ rank trains alone between syncs), so they run on ``--world`` gloo ranks (default
 :mod:`bench.engine.runner`, each rank on its ``1/W`` of the same global batch: the same tokens, lr
 schedule, seed, data order and validation windows as the single-process rows. The inner
 optimizer is AdamW (:mod:`bench.engine.optimizers`) at the ablation's lr (the
-dense sweep's choice, or ``--local-lr``, which labels the rows). Row names are
-``sparseloco-h<H>-d<density>[-b<bits>]`` and ``diloco-h<H>`` (``all``: :data:`LOCAL_ROWS`).
+dense sweep's choice, or ``--local-lr``, which labels the rows). The rows are those of
+:mod:`bench.engine.rows` (``sparseloco-h8-d0.01``, ``diloco-h8``, ...; ``all``:
+:data:`LOCAL_ROWS`) or JSON rows (``'{"name": "sparseloco-h3-d0.03", "optimizer":
+"sparseloco", "optimizer_kwargs": {"sync_every": 3, "density": 0.03}}'``).
 They are evaluated at sync points (every multiple of ``H`` near ``eval_every``) and at the
 end; when ``steps`` is not a multiple of ``H`` a warning is printed and the row also records
 its loss at the last sync. Every row records its bytes per step per rank (mean over the run;
@@ -58,7 +60,7 @@ import time
 from typing import Any
 
 from bench.compare_report import environment
-from bench.engine.local_sgd_opts import parse_local_name, sync_warning
+from bench.engine.local_sgd_opts import sync_warning
 from bench.engine.runner import run
 from bench.research.convergence_report import SCHEMA, gap_series, plot_gap, table
 from bench.research.convergence_train import (
@@ -110,9 +112,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="re-run the first sparse variant on this many gloo ranks "
                          "(bench.engine.runner) and report its final loss beside the "
                          "single-process one")
-    ap.add_argument("--local", nargs="+", default=None, metavar="NAME",
-                    help="local-step rows on --world gloo ranks: sparseloco-h<H>-d<density>"
-                         "[-b<bits>], diloco-h<H>, or 'all' (" + " ".join(LOCAL_ROWS) + ")")
+    ap.add_argument("--local", nargs="+", default=None, metavar="ROW",
+                    help="local-step rows on --world gloo ranks: names of bench.engine.rows "
+                         "(e.g. sparseloco-h8-d0.01, diloco-h8), JSON rows, or 'all' ("
+                         + " ".join(LOCAL_ROWS) + ")")
     ap.add_argument("--world", type=int, default=None,
                     help="ranks of the local-step rows (default 4; 2 with --smoke)")
     ap.add_argument("--ranks", type=int, default=0,
@@ -152,9 +155,9 @@ def main(argv: list[str] | None = None) -> int:
     warnings: list[str] = []
     try:
         for name in local_names:
-            h = parse_local_name(name)[1]["sync_every"]
-            run_config(local_variant(name, 1.0), w, world)  # validates the world size
-            warnings += [t for t in [sync_warning(name, h, w.steps)] if t]
+            v = local_variant(name, 1.0)
+            run_config(v, w, world)  # validates the row and the world size
+            warnings += [t for t in [sync_warning(v["name"], v["sync_every"], w.steps)] if t]
     except ValueError as e:
         ap.error(f"--local/--world: {e}")
     for text in warnings:

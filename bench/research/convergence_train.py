@@ -11,9 +11,10 @@ import inspect
 from typing import Any
 
 import scape
-from bench.engine.local_sgd_opts import LOCAL_SGD, parse_local_name
+from bench.engine.local_sgd_opts import LOCAL_SGD
 from bench.engine.nullcomm import NullCommunicator
 from bench.engine.optimizers import Spec, build
+from bench.engine.rows import resolve as resolve_row
 from bench.engine.runner import RunConfig, run
 from bench.research.rows import TRAINING_KEYS
 from bench.workloads.gpt import GPT, get_config, param_groups
@@ -141,11 +142,16 @@ LOCAL_ROWS = ("sparseloco-h8-d0.01", "sparseloco-h8-d0.03", "sparseloco-h32-d0.0
 H = 8, 32; the other outer hyperparameters are the library's defaults."""
 
 
-def local_variant(name: str, lr: float, label_lr: bool = False) -> dict[str, Any]:
-    """The variant dict of a local-step row (``label_lr``: the name says the inner lr)."""
-    opt, kw = parse_local_name(name)
-    return dict(name=name + (f"-inner_lr{lr:g}" if label_lr else ""), optimizer=opt, lr=lr,
-                **kw)
+def local_variant(spec: str, lr: float, label_lr: bool = False) -> dict[str, Any]:
+    """The variant dict of a local-step row, a name of :data:`bench.engine.rows.ROWS` or a
+    JSON/TOML row (:func:`bench.engine.rows.resolve`; ``label_lr``: the name says the inner
+    lr). ValueError for a row that does not take local steps."""
+    name, fields = resolve_row(spec)
+    if fields["optimizer"] not in LOCAL_SGD:
+        raise ValueError(f"--local: row {name!r} is {fields['optimizer']!r}, not a local-step "
+                         f"optimizer {LOCAL_SGD}")
+    return dict(name=name + (f"-inner_lr{lr:g}" if label_lr else ""),
+                optimizer=fields["optimizer"], lr=lr, **fields.get("optimizer_kwargs", {}))
 
 
 def train_local(variant: dict[str, Any], w: Workload, world: int) -> dict[str, Any]:

@@ -81,8 +81,3 @@ def check(cfg: Any) -> None:
 
 
 hook.check = check  # type: ignore[attr-defined]
-
-
-def row(part: str) -> dict[str, dict[str, Any]] | None:
-    """``bench.lr_sweep``'s ``-drift`` suffix: the hook entry (None: not this suffix)."""
-    return {f"{__name__}:hook": {}} if part == "drift" else None

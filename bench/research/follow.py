@@ -69,10 +69,3 @@ class Hook:
         for g, end in zip(self.opt.param_groups, self.ends):
             if end:
                 g["sparsity"] = follow_density(step, self.cfg, end, self.mean, self.q)
-
-
-def row(part: str) -> dict[str, dict[str, Any]] | None:
-    """``bench.lr_sweep``'s ``-follow<q>`` suffix: the hook entry (None: not this suffix)."""
-    if not part.startswith("follow"):
-        return None
-    return {f"{__name__}:Hook": {"q": check_q(float(part[len("follow"):]))}}

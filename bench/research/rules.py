@@ -36,13 +36,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import re
 import weakref
 from typing import Any
 
 import torch
 
-from bench.engine.optimizers import RULE_NAMES
 from bench.research.probe import PROBE
 from scape import rules
 from scape.rules import (
@@ -341,32 +339,24 @@ def with_options(name: str, *, explore: float | None = None,
     return new
 
 
-OPTION_NAME = re.compile(r"(?P<base>.+?)(?:-explore(?P<explore>[0-9.eE+-]+?))?(?P<noef>-noef)?")
-"""The names :func:`with_options` makes: ``<rule>[-explore<f>][-noef]``."""
-
-
-def registered(name: Any) -> Any:
-    """``name``, registered: a name of :data:`scape.rules.RULES` as it is, and a name that
-    :func:`with_options` makes (``lazy-explore0.2``, ``lazy-noef``) registered from the name
-    alone, so a process that never called :func:`with_options` (a rank of
-    :mod:`bench.engine.runner`) builds the same rule. Anything else comes back unchanged, for the
-    optimizer to refuse with the names it knows."""
-    if not isinstance(name, str) or name in RULES:
-        return name
-    m = OPTION_NAME.fullmatch(name)
-    if m is None or not (m["explore"] or m["noef"]) or m["base"] not in RULES:
-        return name
-    try:
-        explore = None if m["explore"] is None else float(m["explore"])
-        made = with_options(m["base"], explore=explore,
-                            error_feedback=False if m["noef"] else None)
-    except ValueError:  # an explore outside [0, 1]: the optimizer names the known rules
-        return name
-    return made if made == name else name
+OPTION_RULES: dict[str, tuple[dict[str, Any], ...]] = {
+    "lazy": ({"explore": 0.0}, {"explore": 0.05}, {"explore": 0.2}, {"error_feedback": False}),
+    "catchup_accum": ({"explore": 0.0}, {"explore": 0.05}, {"explore": 0.2},
+                      {"error_feedback": False}),
+    "catchup_agree_trust2_accum": ({"explore": 1.0}, {"explore": 0.2},
+                                   {"explore": 0.2, "error_feedback": False}),
+    "catchup_agree_trust2_gain": ({"explore": 1.0},),
+    "auto": ({"explore": 0.2},),
+}
+"""The rules made by :func:`with_options` that the research's rows name (``lazy-explore0.2``,
+``catchup_accum-noef``, ``auto-explore0.2``, ...), registered on import like the others, so a
+rank of the runner builds them by name. A rule made by :func:`with_options` in one process
+only exists there: add its options here to name it in a run."""
 
 
 for _name, _rule in RESEARCH_RULES.items():
     if _name not in RULES:
         rules.register(_name, _rule)
-if registered not in RULE_NAMES:  # the benchmarks' optimizers take with_options' names too
-    RULE_NAMES.append(registered)
+for _name, _options in OPTION_RULES.items():
+    for _opts in _options:
+        with_options(_name, **_opts)
