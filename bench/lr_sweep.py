@@ -9,17 +9,21 @@ bests**: an optimizer's best loss over dense sharded AdamS's best
 5% linear warm-up then cosine to 10%, spans the run), so the ratio against length is a curve
 of separate runs, not one run's checkpoints.
 
-Workloads (``--workloads``), both in the **newcomer configuration**: one param group with
+Workloads (``--workloads``), all in the **newcomer configuration**: one param group with
 weight decay 0.1 on every parameter (norms, embeddings and head included), the optimizers'
 defaults otherwise (20 dense warm-up steps for the sparse rows):
 
-=========  =============================================================================
-``gpt``    the bundled ``small`` GPT (836,736 parameters, tied head) on the standard
-           library's Python sources (:mod:`bench.workloads.gpt`, :mod:`bench.workloads.data`)
-``llama``  ``llama-small`` (1,252,992 parameters: RMSNorm, SwiGLU, rotary, untied head) on
-           the English prose CPython ships (:mod:`bench.workloads.llama`,
-           :mod:`bench.workloads.prose`)
-=========  =============================================================================
+===========  ===========================================================================
+``gpt``      the bundled ``small`` GPT (836,736 parameters, tied head) on the standard
+             library's Python sources (:mod:`bench.workloads.gpt`, :mod:`bench.workloads.data`)
+``llama``    ``llama-small`` (1,252,992 parameters: RMSNorm, SwiGLU, rotary, untied head) on
+             the English prose CPython ships (:mod:`bench.workloads.llama`,
+             :mod:`bench.workloads.prose`)
+``headers``  ``small-bpe`` (1,328,256 parameters, untied head, 2,048-token vocabulary) on
+             torch's C++ headers under a BPE (:mod:`bench.workloads.headers`): kept apart from
+             the rules' tuning, to judge a default on; not in ``--smoke`` (its first load
+             tokenizes ~39 MB, ~40 s)
+===========  ===========================================================================
 
 Every run is :func:`bench.engine.runner.run` on W=4 gloo ranks (global batch 16 x 128 bytes, betas
 (0.9, 0.95), validation loss on 128 fixed held-out windows). The rows (``--optimizers``) are
@@ -73,7 +77,11 @@ WORKLOADS: dict[str, dict[str, Any]] = {
     "gpt": {"model": "small", "data": None, "label": "small GPT, stdlib sources"},
     "llama": {"model": "llama-small", "data": "pydoc-topics",
               "label": "llama-small, pydoc prose"},
+    "headers": {"model": "small-bpe", "data": "torch-headers-bpe",
+                "label": "small-bpe GPT, torch's C++ headers under a 2,048-token BPE"},
 }
+"""The workloads: the two bundled ones the rules were tuned on, and ``headers``
+(:mod:`bench.workloads.headers`), kept apart from that tuning to judge the defaults on."""
 SMOKE_WORKLOADS: dict[str, dict[str, Any]] = {
     "gpt": {"model": "tiny", "data": None, "label": "tiny GPT, stdlib sources"},
     "llama": {"model": "llama-tiny", "data": "pydoc-topics", "label": "llama-tiny, pydoc prose"},
@@ -86,7 +94,7 @@ SMOKE_COMMON: dict[str, Any] = {"world": 2, "batch": 2, "seq": 32, "weight_decay
 DEFAULTS = {"optimizers": ["adams", "scape-0.9", "scape-0.99", "topk-0.99"],
             "lrs": [3e-4, 1e-3, 3e-3], "steps": [600]}
 SMOKE = {"optimizers": ["adams", "scape-0.99"], "lrs": [1e-3, 3e-3], "steps": [6]}
-GUESS_STEP_S = {"small": 0.15, "llama-small": 0.2}
+GUESS_STEP_S = {"small": 0.15, "llama-small": 0.2, "small-bpe": 0.25}
 """Seconds per step on 2 cores before one run of the workload has finished (the ETA)."""
 
 
@@ -244,6 +252,9 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--smoke needs --out")
     out = args.out or os.path.join("bench", "results", "lr_sweep.json")
     pool = SMOKE_WORKLOADS if args.smoke else WORKLOADS
+    if args.smoke and set(args.workloads or ()) - set(pool):
+        ap.error(f"--smoke runs the workloads {sorted(pool)}, not "
+                 f"{sorted(set(args.workloads) - set(pool))}")
     workloads = {k: pool[k] for k in (args.workloads or list(pool))}
     common = dict(SMOKE_COMMON if args.smoke else COMMON)
     if args.warmup_steps is not None:
