@@ -79,7 +79,7 @@ PRESETS: dict[str, GPTConfig] = {
     "small": GPTConfig(d_model=128, n_layers=4, n_heads=4, seq_len=128),
     # The same with an untied head (+32,768 parameters): which end of the model needs bytes.
     "small-untied": GPTConfig(d_model=128, n_layers=4, n_heads=4, seq_len=128, tie_head=False),
-    # ~1.34M parameters: the third workload's model (bench.workloads.headers): a learned BPE
+    # ~1.33M parameters: the third workload's model (bench.workloads.headers): a learned BPE
     # vocabulary of 2,048 tokens and an untied head, the shape of "small" otherwise.
     "small-bpe": GPTConfig(d_model=128, n_layers=4, n_heads=4, seq_len=128, vocab_size=2048,
                            tie_head=False),
