@@ -1,14 +1,24 @@
-"""The body of one rank of :func:`bench.engine.runner.run`: build the model and the optimizer
+"""The engine's training loop, W >= 1, and the body of one rank of
+:func:`bench.engine.runner.run`: build the model and the optimizer
 (:mod:`bench.engine.optimizers`), train with the measurements the runner's docstring lists, and
-report one dict per rank through a queue."""
+report one dict per rank through a queue.
+
+:func:`train_loop` is the loop itself; what differs between the ranks that run it is a
+:class:`RankContext` (which rank, the device, the barrier of its group, the autocast context,
+an optional stop check). :func:`rank_body` runs it in a process of a ``torch.distributed``
+group; ``python -m bench.gpu`` runs it in W threads of one process
+(:mod:`bench.engine.inprocess`), with a communicator of its own (``build_rank(..., comm=)``)."""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import hashlib
 import json
 import os
 import resource
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -21,7 +31,7 @@ from bench.engine.comm_timing import DDPCounter, timed_communicator
 from bench.engine.nullcomm import NullCommunicator
 from bench.engine.optimizers import OPTIMIZERS, Spec, build
 from bench.engine.run_config import RunConfig, hook_factory, lr_at
-from bench.workloads.data import batch_at, eval_loss
+from bench.workloads.data import Corpus, batch_at, eval_loss
 from bench.workloads.gpt import num_params, param_groups
 from bench.workloads.llama import make_model
 from bench.workloads.prose import load
@@ -35,9 +45,11 @@ class LanguageModel:
     the global batch (:func:`bench.workloads.data.batch_at`), validated on the corpus's fixed
     held-out windows (:func:`bench.workloads.data.eval_loss`)."""
 
-    def __init__(self, cfg: RunConfig, device: torch.device) -> None:
+    def __init__(self, cfg: RunConfig, device: torch.device, corpus: Corpus | None = None
+                 ) -> None:
+        """``corpus``: another corpus than :attr:`RunConfig.data`'s (the caller's, loaded)."""
         self.cfg, self.device = cfg, device
-        self.corpus = load(cfg.data)
+        self.corpus = corpus if corpus is not None else load(cfg.data)
 
     def model(self) -> torch.nn.Module:
         return make_model(self.cfg.model, seed=self.cfg.seed)
@@ -73,16 +85,29 @@ def make_groups(module: torch.nn.Module, cfg: RunConfig) -> list[dict[str, Any]]
     return groups
 
 
-def _build(cfg: RunConfig, rank: int, world: int, device: torch.device, module: torch.nn.Module
-           ) -> tuple[Any, Any, Any, torch.nn.Module]:
-    """``(model_to_call, optimizer, counter, module)``: counter has ``stats`` and ``wait_s``."""
+def build_rank(cfg: RunConfig, rank: int, world: int, device: torch.device,
+               module: torch.nn.Module, comm: Any = None
+               ) -> tuple[Any, Any, Any, torch.nn.Module]:
+    """``(model_to_call, optimizer, counter, module)``: counter has ``stats`` and ``wait_s``.
+    ``comm``: the communicator the optimizer is built on, as it is (not timed: the counter
+    counts its bytes, ``wait_s`` stays 0), in place of one over the process group; a
+    communicator-built optimizer only (not DDP, FSDP2, two levels or the floor)."""
     module = module.to(device)
     entry = OPTIMIZERS[cfg.optimizer]
     spec = Spec(lr=cfg.lr, betas=cfg.betas, sparsity=cfg.sparsity,
                 kwargs=dict(cfg.optimizer_kwargs))
+    if comm is not None and (cfg.fsdp2 or cfg.two_level or entry.comm != "torch"):
+        raise ValueError(f"build_rank: a given communicator takes an optimizer built on one "
+                         f"(not {cfg.optimizer!r} with fsdp2={cfg.fsdp2}, "
+                         f"two_level={cfg.two_level})")
     if cfg.fsdp2:
         return _build_fsdp2(cfg, world, device, module, spec)
     groups = _hooked_groups(cfg, module, make_groups(module, cfg))
+    if comm is not None:
+        opt_given: Any = build(cfg.optimizer, groups, spec, comm)
+        if cfg.attach and hasattr(opt_given, "attach"):
+            opt_given.attach(module)
+        return module, opt_given, _Untimed(comm), module
     if entry.comm == "ddp":
         counter = DDPCounter(world)
         ddp = DDP(module, device_ids=None if device.type == "cpu" else [device.index])
@@ -146,6 +171,20 @@ class _Uncounted:
     wait_s = 0.0
 
 
+class _Untimed:
+    """The counter of a communicator the caller gave (:func:`build_rank`): its bytes; no
+    wait time measured."""
+
+    wait_s = 0.0
+
+    def __init__(self, comm: Any) -> None:
+        self.comm = comm
+
+    @property
+    def stats(self) -> Any:
+        return self.comm.stats
+
+
 class _Levels:
     """The counter of a two-level communicator: its bytes by level and the seconds its
     levels' collectives were waited."""
@@ -174,6 +213,39 @@ def _two_level(cfg: RunConfig, world: int) -> HierarchicalCommunicator:
     return HierarchicalCommunicator(intra=levels[0], inter=levels[1])
 
 
+@dataclasses.dataclass
+class RankContext:
+    """What :func:`train_loop` takes of the rank it runs in, besides the config: the rank, the
+    world and the device; ``barrier()`` of the rank's group (``torch.distributed``'s, or an
+    in-process group's communicator's); ``autocast()``, a new context the forward passes and
+    the evaluations run in (none by default; ``python -m bench.gpu``: bf16 on CUDA); ``stop``,
+    called with the steps done after each evaluation but the last, on every rank alike: true
+    ends the run there (``truncated``), as a deadline does."""
+
+    rank: int
+    world: int
+    device: torch.device
+    barrier: Callable[[], Any]
+    autocast: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext
+    stop: Callable[[int], bool] | None = None
+
+
+@dataclasses.dataclass
+class Trained:
+    """What :func:`train_loop` returns: rank's per-step ``records``, rank 0's ``val_curve``
+    (``(step, loss)``), the ``steps`` done (fewer than ``cfg.steps`` if ``truncated``), the
+    clock at the loop's start (``started``, ``time.perf_counter()``) and its length
+    (``wall_s``), and the objects of :attr:`RunConfig.hooks` by path."""
+
+    records: list[dict[str, Any]]
+    val_curve: list[tuple[int, float]]
+    steps: int
+    truncated: bool
+    started: float
+    wall_s: float
+    hooks: dict[str, Any]
+
+
 def rank_body(rank: int, world: int, cfg_dict: dict[str, Any]) -> dict[str, Any]:
     """Body of one rank, launched by :func:`bench.engine.runner.run` (its process group joined):
     train, measure, return the records."""
@@ -181,11 +253,44 @@ def rank_body(rank: int, world: int, cfg_dict: dict[str, Any]) -> dict[str, Any]
 
 
 def _train(cfg: RunConfig, rank: int, world: int) -> dict[str, Any]:
-    """The training loop of every run, W >= 1."""
+    """One rank of a ``torch.distributed`` group: :func:`train_loop`, then the run's result."""
     device = torch.device("cuda", torch.cuda.current_device()) if cfg.device == "cuda" \
         else torch.device("cpu")
     work = make_workload(cfg, device)
-    model, opt, counter, module = _build(cfg, rank, world, device, work.model())
+    model, opt, counter, module = build_rank(cfg, rank, world, device, work.model())
+    run = train_loop(cfg, RankContext(rank, world, device, dist.barrier), work, model, opt,
+                     counter, module)
+    phases: list[str] = []
+    if cfg.profile_dir is not None:
+        path = os.path.join(cfg.profile_dir, f"trace_rank{rank}.json")
+        if os.path.exists(path):
+            with open(path) as f:
+                names = {e.get("name", "") for e in json.load(f).get("traceEvents", [])}
+            phases = sorted(n for n in names if n.startswith(("scape/", "topk/")))
+    settings: dict[str, Any] = {
+        k: getattr(opt, k) for k in ("update", "explore", "warmup_steps", "dense_every",
+                                     "error_feedback", "block_size")
+        if isinstance(getattr(opt, k, None), (str, int, float, bool))}
+    if hasattr(opt, "finish_param_sync"):
+        opt.finish_param_sync()
+    return {"records": run.records, "val_curve": run.val_curve, "params": num_params(module),
+            "max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "wall_s": time.perf_counter() - run.started, "phases": phases,
+            "optimizer_settings": settings, "param_sha256": param_digest(module),
+            "n_pad": sum(b.n_pad for b in getattr(opt, "buckets", ())) or None,
+            "hooks": {path: h.result() for path, h in run.hooks.items()
+                      if hasattr(h, "result")},
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
+
+
+def train_loop(cfg: RunConfig, ctx: RankContext, work: Any, model: Any, opt: Any, counter: Any,
+               module: torch.nn.Module) -> Trained:
+    """The training loop of every run, W >= 1: ``cfg.steps`` steps of ``work``'s batches
+    (:func:`make_workload`) through ``model``/``opt`` (:func:`build_rank`), the lr of
+    :func:`~bench.engine.run_config.lr_at`, :attr:`RunConfig.hooks` and
+    :attr:`RunConfig.sparsity_ramp`, one record per step (time, bytes of ``counter``, train
+    loss), an evaluation on rank 0 every ``eval_every`` steps and at the end."""
+    rank, world, device = ctx.rank, ctx.world, ctx.device
     hooks = {path: hook_factory(path)(cfg, module, opt, **kw) for path, kw in cfg.hooks.items()}
     before = [h.before_step for h in hooks.values() if hasattr(h, "before_step")]
     backward = [h.after_backward for h in hooks.values() if hasattr(h, "after_backward")]
@@ -198,6 +303,7 @@ def _train(cfg: RunConfig, rank: int, world: int) -> dict[str, Any]:
     ddp = OPTIMIZERS[cfg.optimizer].comm == "ddp"
     floor = OPTIMIZERS[cfg.optimizer].comm == "null"  # nothing trained across ranks
     evaluate = not floor
+    done, truncated = 0, False
     started = time.perf_counter()
     for step in range(cfg.steps):
         if cfg.profile_dir is not None and step + 1 == prof_steps.start:
@@ -207,7 +313,7 @@ def _train(cfg: RunConfig, rank: int, world: int) -> dict[str, Any]:
             # Real runs start every step together (their collectives line the ranks up), so
             # the ranks compete for the cores the same way; without this the floor's ranks
             # drift apart and a lone rank runs faster than any synchronized one could.
-            dist.barrier()
+            ctx.barrier()
         batches = [tuple(t.to(device) for t in work.batch(step * cfg.grad_accum + micro, rank,
                                                           world))
                    for micro in range(cfg.grad_accum)]
@@ -222,9 +328,10 @@ def _train(cfg: RunConfig, rank: int, world: int) -> dict[str, Any]:
         loss_sum = torch.zeros((), device=device)
         for micro, (x, y) in enumerate(batches):
             last = micro == cfg.grad_accum - 1
-            ctx = model.no_sync() if (ddp and not last) else _null()
-            with ctx:
-                loss = module.loss(x, y) if model is module else _ddp_loss(model, x, y)
+            sync = model.no_sync() if (ddp and not last) else _null()
+            with sync:
+                with ctx.autocast():
+                    loss = module.loss(x, y) if model is module else _ddp_loss(model, x, y)
                 (loss / cfg.grad_accum).backward()
             loss_sum += loss.detach()
         for hook in backward:
@@ -253,40 +360,27 @@ def _train(cfg: RunConfig, rank: int, world: int) -> dict[str, Any]:
             prof.export_chrome_trace(os.path.join(cfg.profile_dir, f"trace_rank{rank}.json"))
             prof = None
         done = step + 1
-        if evaluate and (done % cfg.eval_every == 0 or done == cfg.steps):
+        evaluated = evaluate and (done % cfg.eval_every == 0 or done == cfg.steps)
+        if evaluated:
             if hasattr(opt, "finish_param_sync"):
                 opt.finish_param_sync()
             if rank == 0 or cfg.fsdp2:  # (a sharded model's forward runs on every rank)
-                val = work.val_loss(module)
+                with ctx.autocast():
+                    val = work.val_loss(module)
                 if rank == 0:
                     val_curve.append((done, val))
-            dist.barrier()
+            ctx.barrier()
         if rank == 0 and cfg.log_every and (done % cfg.log_every == 0 or done == cfg.steps):
             val = f" val {val_curve[-1][1]:.4f}" if val_curve and val_curve[-1][0] == done \
                 else ""
             print(f"[{cfg.label}] step {done}/{cfg.steps} train {records[-1]['train_loss']:.4f}"
                   f"{val} | {step_s * 1e3:.0f} ms/step ({time.perf_counter() - started:.0f} s)",
                   flush=True)
-    phases: list[str] = []
-    if cfg.profile_dir is not None:
-        path = os.path.join(cfg.profile_dir, f"trace_rank{rank}.json")
-        if os.path.exists(path):
-            with open(path) as f:
-                names = {e.get("name", "") for e in json.load(f).get("traceEvents", [])}
-            phases = sorted(n for n in names if n.startswith(("scape/", "topk/")))
-    settings: dict[str, Any] = {
-        k: getattr(opt, k) for k in ("update", "explore", "warmup_steps", "dense_every",
-                                     "error_feedback", "block_size")
-        if isinstance(getattr(opt, k, None), (str, int, float, bool))}
-    if hasattr(opt, "finish_param_sync"):
-        opt.finish_param_sync()
-    return {"records": records, "val_curve": val_curve, "params": num_params(module),
-            "max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-            "wall_s": time.perf_counter() - started, "phases": phases,
-            "optimizer_settings": settings, "param_sha256": param_digest(module),
-            "n_pad": sum(b.n_pad for b in getattr(opt, "buckets", ())) or None,
-            "hooks": {path: h.result() for path, h in hooks.items() if hasattr(h, "result")},
-            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
+        if evaluated and ctx.stop is not None and done < cfg.steps and ctx.stop(done):
+            truncated = True  # (every rank's stop says the same)
+            break
+    return Trained(records=records, val_curve=val_curve, steps=done, truncated=truncated,
+                   started=started, wall_s=time.perf_counter() - started, hooks=hooks)
 
 
 def _link_tx() -> int:
