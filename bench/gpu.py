@@ -11,11 +11,12 @@ So every rank's gradient, residual and masks are its own, as on W GPUs: SCAPE's 
 reads each rank's own gradient. ``tests/test_bench_gpu.py`` checks that the threads give the
 parameters W gloo processes give (:func:`train_rank` is the body of both).
 
-**Why not the engine's loop.** :mod:`bench.engine.run_rank` runs one rank per process and lines
-ranks up with ``torch.distributed`` barriers, and its runner spawns processes; the loop here
-(:func:`train_rank`) is the same recipe (:class:`bench.engine.run_config.RunConfig`, its
-schedule ``lr_at``, :func:`bench.engine.optimizers.build`, ``make_groups``, ``batch_at`` and
-``eval_loss``) with the communicator's own ``barrier()`` and an in-process group.
+**The engine's loop.** Each rank trains through :func:`bench.engine.run_rank.train_loop`, the
+loop of every run: :func:`train_rank` builds the replica and the optimizer on the rank's
+communicator (``build_rank(..., comm=)``) and hands the loop a ``RankContext`` with the
+communicator's own ``barrier()``, bf16 autocast on CUDA and the deadline's stop check; the
+timed steps after the run (:func:`_timed`) are this job's own measurement, on the model and
+optimizer the loop trained.
 
 **Recipe** (the README's for a newcomer): ``lr=3e-4``, weight decay 0.1 on one param group,
 ``max_grad_norm=1.0``, ``opt.attach(model)``, the library's defaults otherwise (rule ``auto``,
@@ -66,11 +67,10 @@ from typing import Any
 import torch
 
 from bench.engine.inprocess import InProcessGroup, run_threads
-from bench.engine.optimizers import Spec, build
 from bench.engine.report import fmt, markdown_table, plot_loss
-from bench.engine.run_config import RunConfig, lr_at
-from bench.engine.run_rank import make_groups, param_digest
-from bench.workloads.data import Corpus, batch_at, eval_loss, load_packages, package_root
+from bench.engine.run_config import RunConfig
+from bench.engine.run_rank import LanguageModel, RankContext, build_rank, param_digest, train_loop
+from bench.workloads.data import Corpus, load_packages, package_root
 from bench.workloads.gpt import num_params
 from bench.workloads.llama import make_model
 
@@ -113,12 +113,14 @@ RECIPE = {"lr": 3e-4, "weight_decay": 0.1, "max_grad_norm": 1.0}
 
 def run_config(name: str, sparsity: float, p: Preset, steps: int, device: str,
                extra: dict[str, Any] | None = None) -> RunConfig:
-    """One optimizer's :class:`RunConfig` (the recipe, one param group)."""
+    """One optimizer's :class:`RunConfig` (the recipe, one param group; no progress lines, the
+    job prints one per row)."""
     return RunConfig(optimizer="adams" if sparsity == 0 else "scape", sparsity=sparsity,
                      model=p.model, world=p.world, steps=steps, batch=p.batch, seq=p.seq,
                      lr=RECIPE["lr"], weight_decay=RECIPE["weight_decay"], one_group=True,
                      optimizer_kwargs={"max_grad_norm": RECIPE["max_grad_norm"], **(extra or {})},
-                     eval_every=p.eval_every, eval_seqs=p.eval_seqs, device=device, name=name)
+                     eval_every=p.eval_every, eval_seqs=p.eval_seqs, device=device, name=name,
+                     log_every=0)
 
 
 # -- one rank ------------------------------------------------------------------------------
@@ -126,77 +128,46 @@ def train_rank(rank: int, comm: Any, cfg_dict: dict[str, Any], corpus: Corpus,
                timed_steps: int = 0, deadline: float | None = None,
                return_params: bool = False) -> dict[str, Any]:
     """Rank ``rank`` of ``comm.world_size``: build the replica and the optimizer on ``comm``,
-    train ``cfg.steps`` steps (evaluating on rank 0 every ``eval_every``), then time
-    ``timed_steps`` more phase by phase. The threads of :func:`run` and the gloo processes of
+    train ``cfg.steps`` steps through the engine's loop
+    (:func:`bench.engine.run_rank.train_loop`; evaluating on rank 0 every ``eval_every``, bf16
+    autocast on CUDA, stopped at an evaluation past ``deadline``), then time ``timed_steps``
+    more phase by phase (:func:`_timed`). The threads of :func:`run` and the gloo processes of
     the tests run this same body."""
     cfg = RunConfig.from_dict(cfg_dict)
     world = comm.world_size
     device = torch.device(comm.device)
     cuda = device.type == "cuda"
-    module = make_model(cfg.model, seed=cfg.seed).to(device)
-    spec = Spec(lr=cfg.lr, betas=cfg.betas, sparsity=cfg.sparsity,
-                kwargs=dict(cfg.optimizer_kwargs))
-    opt: Any = build(cfg.optimizer, make_groups(module, cfg), spec, comm)
-    opt.attach(module)
-    amp = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else contextlib.nullcontext()
-    seq, global_batch = cfg.seq_len, cfg.batch * world
-    records: list[dict[str, Any]] = []
-    val_curve: list[list[float]] = []
-    started = time.perf_counter()
+    work = LanguageModel(cfg, device, corpus)
+    model, opt, counter, module = build_rank(cfg, rank, world, device, work.model(), comm=comm)
+    amp: Any = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if cuda \
+        else contextlib.nullcontext
+    ctx = RankContext(rank, world, device, comm.barrier, autocast=amp,
+                      stop=None if deadline is None else _past(deadline, rank, comm, device))
+    run = train_loop(cfg, ctx, work, model, opt, counter, module)
 
     def sync() -> None:
         if cuda:
             torch.cuda.synchronize(device)
 
-    def fwd_bwd(step: int) -> float:
-        x, y = (t.to(device, non_blocking=True) for t in batch_at(
-            corpus.train, step, global_batch, seq, cfg.seed, rank, world))
-        with amp:
+    def fwd_bwd(step: int) -> None:
+        x, y = (t.to(device, non_blocking=True) for t in work.batch(step, rank, world))
+        with amp():
             loss = module.loss(x, y)
         loss.backward()
-        return float(loss.detach()) if rank == 0 else 0.0
 
-    def evaluate(done: int) -> None:
-        opt.finish_param_sync()
-        if rank == 0:
-            with amp:
-                val = eval_loss(module, corpus.val, seq, n_seqs=cfg.eval_seqs, device=device)
-            val_curve.append([done, val])
-        comm.barrier()
-
-    done, truncated = 0, False
-    for step in range(cfg.steps):
-        for g in opt.param_groups:
-            g["lr"] = lr_at(step, cfg)
-        before = sum(int(v["bytes"]) for v in comm.stats.values())
-        t0 = time.perf_counter()
-        loss = fwd_bwd(step)
-        opt.step()
-        opt.zero_grad()
-        sync()
-        records.append({"step_s": time.perf_counter() - t0, "train_loss": loss,
-                        "bytes": sum(int(v["bytes"]) for v in comm.stats.values()) - before,
-                        "dense": bool(getattr(opt.last_step, "dense", True))})
-        done = step + 1
-        if done % cfg.eval_every == 0 or done == cfg.steps:
-            evaluate(done)
-            if done < cfg.steps and deadline is not None:  # every rank stops, or none
-                flag = torch.tensor([float(rank == 0 and time.monotonic() > deadline)],
-                                    device=device)
-                comm.all_reduce(flag, op="max").wait()
-                if flag.item() > 0:
-                    truncated = True
-                    break
-    train_wall = time.perf_counter() - started
-    phases = _timed(module, opt, comm, fwd_bwd, sync, done, timed_steps)
+    phases = _timed(module, opt, comm, fwd_bwd, sync, run.steps, timed_steps)
     opt.finish_param_sync()
-    out: dict[str, Any] = {"rank": rank, "steps": done, "truncated": truncated,
+    out: dict[str, Any] = {"rank": rank, "steps": run.steps, "truncated": run.truncated,
                            "param_sha256": param_digest(module)}
     if return_params:
         out["params"] = torch.cat([p.detach().reshape(-1).float().cpu()
                                    for p in module.parameters()])
     if rank == 0:
-        out.update(records=records, val_curve=val_curve, phases=phases, train_wall_s=train_wall,
+        records = [{"step_s": r["step_s"], "train_loss": r["train_loss"],
+                    "bytes": sum(r["bytes"].values()), "dense": r["dense"]}
+                   for r in run.records]
+        out.update(records=records, val_curve=[[s, v] for s, v in run.val_curve],
+                   phases=phases, train_wall_s=run.wall_s,
                    params=out.get("params"), n_params=num_params(module),
                    peak_mem_gb=(torch.cuda.max_memory_allocated(device) / 2**30  # every rank's
                                 if cuda else None),
@@ -204,6 +175,17 @@ def train_rank(rank: int, comm: Any, cfg_dict: dict[str, Any], corpus: Corpus,
                        "update", "warmup_steps", "block_size")
                        if isinstance(getattr(opt, k, None), (str, int, float))})
     return out
+
+
+def _past(deadline: float, rank: int, comm: Any, device: torch.device) -> Any:
+    """The loop's stop check: rank 0's clock past ``deadline`` (``time.monotonic()``), agreed
+    by every rank through ``comm`` (every rank stops, or none)."""
+    def stop(done: int) -> bool:
+        flag = torch.tensor([float(rank == 0 and time.monotonic() > deadline)], device=device)
+        comm.all_reduce(flag, op="max").wait()
+        return bool(flag.item() > 0)
+
+    return stop
 
 
 def _timed(module: Any, opt: Any, comm: Any, fwd_bwd: Any, sync: Any, start: int,

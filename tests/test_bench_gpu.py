@@ -2,7 +2,8 @@
 communicator passes the collective suite of tests/test_comm.py against hand computation (W=3
 and 8); W=4 threads train the same parameters as W=4 gloo processes (tests/dist.py) to fp32
 rounding, dense and at 0.9 and 0.99 over 20 steps; the smoke runs end to end in a subprocess
-under a deadline (the plan line first, every row in report.json)."""
+under a deadline (the plan line first, every row in report.json); a row past its deadline
+stops every rank at the same evaluation."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -112,6 +114,25 @@ def test_threads_train_what_gloo_processes_train():
         assert moved > 1e-3, f"sparsity {sparsity}: the parameters did not train ({moved})"
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6,
                                    msg=lambda m, s=sparsity: f"sparsity {s}: {m}")
+
+
+@pytest.mark.timeout(60)
+def test_a_deadline_stops_every_rank_at_the_same_evaluation():
+    p = dataclasses.replace(PRESETS["smoke"], world=2, eval_every=3)
+    cfg = dataclasses.asdict(run_config("t", 0.99, p, 12, "cpu", {"warmup_steps": 2}))
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        past = run_threads(train_rank, 2, cfg, _corpus(), 2, time.monotonic() - 1, timeout=30)
+        ahead = run_threads(train_rank, 2, cfg, _corpus(), 0, time.monotonic() + 600,
+                            timeout=30)
+    finally:
+        torch.set_num_threads(before)
+    assert [(r["steps"], r["truncated"]) for r in past] == [(3, True), (3, True)]
+    assert [v[0] for v in past[0]["val_curve"]] == [3] and len(past[0]["records"]) == 3
+    assert len(past[0]["phases"]) == 2  # the timed steps still run after a truncated run
+    assert [(r["steps"], r["truncated"]) for r in ahead] == [(12, False), (12, False)]
+    assert [v[0] for v in ahead[0]["val_curve"]] == [3, 6, 9, 12]
 
 
 @pytest.mark.timeout(200)
