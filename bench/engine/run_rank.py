@@ -314,8 +314,9 @@ def train_loop(cfg: RunConfig, ctx: RankContext, work: Any, model: Any, opt: Any
             # the ranks compete for the cores the same way; without this the floor's ranks
             # drift apart and a lone rank runs faster than any synchronized one could.
             ctx.barrier()
-        batches = [tuple(t.to(device) for t in work.batch(step * cfg.grad_accum + micro, rank,
-                                                          world))
+        # (lists: tuple() of a generator can raise SystemError on CPython 3.11 when another
+        # thread's garbage collection holds the half-built tuple, as with ranks as threads)
+        batches = [[t.to(device) for t in work.batch(step * cfg.grad_accum + micro, rank, world)]
                    for micro in range(cfg.grad_accum)]
         for g in opt.param_groups:
             g["lr"] = lr_at(step, cfg)
