@@ -82,6 +82,8 @@ WORKLOADS: dict[str, dict[str, Any]] = {
 }
 """The workloads: the two bundled ones the rules were tuned on, and ``headers``
 (:mod:`bench.workloads.headers`), kept apart from that tuning to judge the defaults on."""
+DEFAULT_WORKLOADS = ("gpt", "llama")
+"""The workloads a sweep runs unless ``--workloads`` names others (each ``--smoke`` has)."""
 SMOKE_WORKLOADS: dict[str, dict[str, Any]] = {
     "gpt": {"model": "tiny", "data": None, "label": "tiny GPT, stdlib sources"},
     "llama": {"model": "llama-tiny", "data": "pydoc-topics", "label": "llama-tiny, pydoc prose"},
@@ -222,7 +224,8 @@ def table_main(paths: list[str], plot: str | None) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--workloads", nargs="+", choices=sorted(WORKLOADS), default=None)
+    ap.add_argument("--workloads", nargs="+", choices=sorted(WORKLOADS), default=None,
+                    help=f"default {' '.join(DEFAULT_WORKLOADS)} (the two the rules were tuned on)")
     ap.add_argument("--optimizers", nargs="+", default=None,
                     help=f"default {' '.join(DEFAULTS['optimizers'])}")
     ap.add_argument("--lrs", nargs="+", type=float, default=None, help="default 3e-4 1e-3 3e-3")
@@ -255,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.smoke and set(args.workloads or ()) - set(pool):
         ap.error(f"--smoke runs the workloads {sorted(pool)}, not "
                  f"{sorted(set(args.workloads) - set(pool))}")
-    workloads = {k: pool[k] for k in (args.workloads or list(pool))}
+    workloads = {k: pool[k] for k in (args.workloads or DEFAULT_WORKLOADS)}
     common = dict(SMOKE_COMMON if args.smoke else COMMON)
     if args.warmup_steps is not None:
         if args.warmup_steps < 1:  # the first mask is taken from a dense step's moment
