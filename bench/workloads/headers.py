@@ -148,10 +148,10 @@ def _key(texts: dict[str, str], vocab_size: int, val_fraction: float) -> str:
     return h.hexdigest()
 
 
-@functools.lru_cache(maxsize=2)
-def load_headers(vocab_size: int = VOCAB, val_fraction: float = 0.1) -> Corpus:
-    """The corpus of the installed torch's headers, from the cache file when it holds this
-    exact input (built and written atomically otherwise, one process at a time)."""
+def _load_cached(vocab_size: int, val_fraction: float) -> tuple[dict[str, Any], Path]:
+    """``(the cache file's contents, the root read)`` for the installed torch's headers: the
+    file is built and written atomically, one process at a time, when it does not hold this
+    exact input."""
     root = include_root()
     texts = source_texts(root)
     key = _key(texts, vocab_size, val_fraction)
@@ -174,18 +174,26 @@ def load_headers(vocab_size: int = VOCAB, val_fraction: float = 0.1) -> Corpus:
             fcntl.flock(lock, fcntl.LOCK_UN)
     if saved.get("key") != key:
         raise ValueError(f"cache file {path} holds another input; delete it")
+    return saved, root
+
+
+def _corpus(saved: dict[str, Any], root: Path) -> Corpus:
     return Corpus(saved["train"], saved["val"], str(root), tuple(saved["train_files"]),
                   tuple(saved["val_files"]), "path-hash")
+
+
+@functools.lru_cache(maxsize=2)
+def load_headers(vocab_size: int = VOCAB, val_fraction: float = 0.1) -> Corpus:
+    """The corpus of the installed torch's headers, from the cache file when it holds this
+    exact input (built and written atomically otherwise, one process at a time)."""
+    return _corpus(*_load_cached(vocab_size, val_fraction))
 
 
 def load_tokenizer(vocab_size: int = VOCAB, val_fraction: float = 0.1) -> Any:
     """The tokenizer :func:`load_headers` used (from its cache file)."""
     from tokenizers import Tokenizer
 
-    load_headers(vocab_size, val_fraction)
-    key = _key(source_texts(), vocab_size, val_fraction)
-    saved = torch.load(_cache_dir() / f"{NAME}-{key[:24]}.pt", weights_only=True)
-    return Tokenizer.from_str(saved["tokenizer"])
+    return Tokenizer.from_str(_load_cached(vocab_size, val_fraction)[0]["tokenizer"])
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -194,16 +202,17 @@ def main(argv: list[str] | None = None) -> None:
     import time
 
     import tokenizers
+    from tokenizers import Tokenizer
 
     t0 = time.perf_counter()
-    corpus = load_headers()
+    saved, root = _load_cached(VOCAB, 0.1)
     elapsed = time.perf_counter() - t0
-    tok = load_tokenizer()
+    corpus, tok = _corpus(saved, root), Tokenizer.from_str(saved["tokenizer"])
     print(f"torch        {torch.__version__}")
     print(f"tokenizers   {tokenizers.__version__}")
     for key, value in corpus.record().items():
         print(f"{key:12} {value:,}" if isinstance(value, int) else f"{key:12} {value}")
-    text_bytes = sum(len(t.encode()) for t in source_texts().values())
+    text_bytes = sum(len(t.encode()) for t in source_texts(root).values())
     tokens = corpus.train.numel() + corpus.val.numel()
     print(f"{'bytes/token':12} {text_bytes / tokens:.2f}")
     print(f"{'vocab_sha256':12} {tokenizer_sha256(tok)}")
