@@ -49,20 +49,23 @@ class ShardState:
 
 def lr_counters(shards: list[ShardState], groups: list[int]) -> dict[str, dict[int, Any]]:
     """:attr:`ShardState.lr_peak` and :attr:`~ShardState.lr_rose` per param group (the
-    shards of a group see the same lrs; ``groups[i]`` is shard ``i``'s), for checkpoints."""
-    peak: dict[int, Any] = {}
-    rose: dict[int, Any] = {}
+    shards of a group see the same lrs; ``groups[i]`` is shard ``i``'s), for checkpoints.
+    Keyed by the group's index as a string: DCP stores a dict's keys as strings, and an int
+    key would come back as a second entry beside the fresh optimizer's own."""
+    peak: dict[str, Any] = {}
+    rose: dict[str, Any] = {}
     for s, g in zip(shards, groups):
-        peak.setdefault(g, s.lr_peak)
-        rose.setdefault(g, int(s.lr_rose))
+        peak.setdefault(str(g), s.lr_peak)
+        rose.setdefault(str(g), int(s.lr_rose))
     return {"lr_peak": peak, "lr_rose": rose}
 
 
 def load_lr_counters(shards: list[ShardState], groups: list[int],
                      counters: dict[str, Any]) -> None:
-    """Restore what :func:`lr_counters` saved; a group a checkpoint lacks starts as at
-    construction."""
+    """Restore what :func:`lr_counters` saved (string keys; int keys, as files written before
+    were, load too); a group a checkpoint lacks starts as at construction."""
     peak, rose = counters.get("lr_peak", {}), counters.get("lr_rose", {})
     for s, g in zip(shards, groups):
-        s.lr_peak, s.lr_rose = float(peak.get(g, 0.0)), bool(rose.get(g, 1))
+        s.lr_peak = float(peak.get(str(g), peak.get(g, 0.0)))
+        s.lr_rose = bool(rose.get(str(g), rose.get(g, 1)))
 
