@@ -45,7 +45,7 @@ SCHEMA = "scape.comm_volume/1"
 WORLDS = (8, 32, 256)
 SPARSITIES = (0.0, 0.9, 0.99)
 BLOCK_SIZE = 4096
-UPDATE = "auto"
+UPDATE = "agree"
 """The rule of the measurement (the library's default)."""
 EXPLORE = RULES[UPDATE].explore
 """Its fraction of each block's budget taken by age (part of the mask, so of ``K``)."""
@@ -69,6 +69,7 @@ def measure_step_bytes(n: int, world: int, sparsity: float, steps: int = 3,
     opt = scape.SCAPE(params, lr=1e-3, sparsity=sparsity, warmup_steps=1,
                       block_size=BLOCK_SIZE, update=UPDATE, grad_comm_dtype=WIRE_DTYPE,
                       comm=comm)
+    opt.ramp_steps = 0  # a sparse step at ``sparsity``, not on the start's ramp
     gen = torch.Generator().manual_seed(seed + 1)
     for _ in range(steps):
         for p in params:

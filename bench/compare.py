@@ -83,7 +83,8 @@ and 1e-3 at 600 steps (bench/results/compare_lr_sweep.json; docs/benchmarks.md).
 
 QUALITY = dict(model="small", world=4, steps=600, batch=4, seq=128, lr=TUNED_LR,
                warmup_steps=None, eval_every=100, eval_seqs=128)
-"""The quality leg: ``warmup_steps=None`` keeps the library's default dense warm-up (20)."""
+"""The quality leg: ``warmup_steps=None`` keeps each optimizer's own start (SCAPE's: one dense
+step, then its sparsity ramp sized to the run's 600 steps; top-k's: 20 dense steps)."""
 SPEED = dict(model="small", world=4, steps=16, batch=4, seq=128, lr=TUNED_LR, warmup_steps=2,
              eval_every=16, eval_seqs=8)
 """The speed leg: 2 dense warm-up steps (they only build SCAPE's first moment; a sparse
@@ -303,7 +304,7 @@ def build_report(argv: list[str] | None, legs: dict[str, dict[str, Any]],
         "date": datetime.date.today().isoformat(),
         "environment": env,
         "params": first.get("params"),
-        "update": (scape_run or {}).get("optimizer_settings", {}).get("update", "auto"),
+        "update": (scape_run or {}).get("optimizer_settings", {}).get("update", "agree"),
         "quality": None if quality is None else {
             "workload": legs["quality"], "link": "unshaped loopback", "lr_source": lr_source,
             "table": quality_table(quality), "runs": quality},

@@ -153,7 +153,7 @@ def headline(report: dict[str, Any]) -> dict[str, Any]:
         parts.append(f"bytes 1/{1 / nbytes:.1f} of dense")
     if speedup is not None:
         parts.append(f"step {speedup:.1f}x faster than dense sharded AdamS on {link}")
-    text = (f"SCAPE-0.99 (update=\"{report.get('update', 'auto')}\"): " + ", ".join(parts)
+    text = (f"SCAPE-0.99 (update=\"{report.get('update', 'agree')}\"): " + ", ".join(parts)
             if parts else "SCAPE-0.99: no headline (scape-0.99 or adams did not run)")
     return {"loss_ratio": loss, "bytes_ratio": nbytes, "speedup": speedup, "text": text}
 

@@ -61,7 +61,10 @@ def build(model_name: str, world: int, kind: str, update: str | None = None,
     if update and name in ("adams", "scape"):
         kw = dict(kw, update=update)
     spec = optimizers.Spec(lr=1e-3, sparsity=sparsity, kwargs=kw)
-    return optimizers.build(name, params, spec, comm), num_params(model)
+    opt = optimizers.build(name, params, spec, comm)
+    if isinstance(opt, scape.SCAPE):
+        opt.ramp_steps = 0  # the sparse steps at their sparsity, not on the start's ramp
+    return opt, num_params(model)
 
 
 def time_steps(model_name: str, world: int, kinds: list[str], steps: int,

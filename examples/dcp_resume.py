@@ -63,7 +63,7 @@ def main() -> None:
                                 torch.nn.Linear(128, 8))
     true_w = torch.randn(32, 8, generator=torch.Generator().manual_seed(7))
     opt = scape.SCAPE(model.parameters(), lr=3e-3, sparsity=SPARSITY, block_size=BLOCK,
-                      warmup_steps=5)
+                      total_steps=STEPS, warmup_steps=5)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / 5) * 0.5 * (1 + math.cos(math.pi * s / STEPS)))
     start = 0

@@ -111,8 +111,9 @@ def main() -> None:
         fully_shard(layer, mesh=mesh["dp_shard"], mp_policy=mp)
     fully_shard(model, mesh=mesh["dp_shard"], mp_policy=mp)
     opt = scape.SCAPE(model.parameters(), lr=args.lr, sparsity=args.sparsity, weight_decay=0.1,
-                      block_size=args.block_size, warmup_steps=args.warmup_steps,
-                      max_grad_norm=1.0, comm=mesh["dp_replicate"])
+                      block_size=args.block_size, total_steps=args.steps,
+                      warmup_steps=args.warmup_steps, max_grad_norm=1.0,
+                      comm=mesh["dp_replicate"])
     opt.attach(model)
 
     start = 0
@@ -163,7 +164,9 @@ def main() -> None:
                        "last_loss": losses[-1],
                        "group_numels": [sum(p.to_local().numel() for p in g["params"])
                                         for g in opt.param_groups],
-                       "bucket_n_pad": [b.n_pad for b in opt.buckets], "sparse_step": sparse,
+                       "bucket_n_pad": [b.n_pad for b in opt.buckets],
+                       "bucket_group": [b.group for b in opt.buckets],
+                       "bucket_apart": [b.apart for b in opt.buckets], "sparse_step": sparse,
                        "digests": digests}, f, indent=1)
     dist.destroy_process_group()
 

@@ -62,7 +62,8 @@ def main() -> None:
     opt = scape.SCAPE([{"params": decay, "weight_decay": 0.1},
                        {"params": no_decay, "weight_decay": 0.0}],
                       lr=args.lr, sparsity=args.sparsity, block_size=args.block_size,
-                      warmup_steps=args.warmup_steps, max_grad_norm=1.0)
+                      total_steps=args.steps, warmup_steps=args.warmup_steps,
+                      max_grad_norm=1.0)
     opt.attach(model)  # the parameter all-gather is waited at the next forward
 
     def lr_factor(t: int) -> float:  # linear warm-up, then cosine down to 10%
@@ -105,6 +106,8 @@ def main() -> None:
                        "losses": losses, "first_loss": losses[0], "last_loss": losses[-1],
                        "group_numels": [sum(p.numel() for p in g) for g in (decay, no_decay)],
                        "bucket_n_pad": [b.n_pad for b in opt.buckets],
+                       "bucket_group": [b.group for b in opt.buckets],
+                       "bucket_apart": [b.apart for b in opt.buckets],
                        "dense_step": seen.get("dense"), "sparse_step": seen.get("sparse")},
                       f, indent=1)
     dist.destroy_process_group()

@@ -106,8 +106,8 @@ def main() -> None:
     model = GPT2LMHeadModel(cfg).to(device)
     scape.broadcast_parameters(model)
     opt = scape.SCAPE(model.parameters(), lr=args.lr, sparsity=args.sparsity,
-                      block_size=args.block_size, warmup_steps=args.warmup_steps,
-                      weight_decay=0.1, max_grad_norm=1.0)
+                      block_size=args.block_size, total_steps=args.steps,
+                      warmup_steps=args.warmup_steps, weight_decay=0.1, max_grad_norm=1.0)
 
     def lr_factor(t: int) -> float:  # linear warm-up, then cosine down to 10%
         warm = max(1, args.steps // 10)
@@ -142,6 +142,8 @@ def main() -> None:
                        "trainer_steps": trainer.state.global_step,
                        "group_numels": [sum(p.numel() for p in model.parameters())],
                        "bucket_n_pad": [b.n_pad for b in opt.buckets],
+                       "bucket_group": [b.group for b in opt.buckets],
+                       "bucket_apart": [b.apart for b in opt.buckets],
                        "dense_step": cb.steps.get("dense"), "sparse_step": cb.steps.get("sparse")},
                       f, indent=1)
     del trainer, cb  # its DDP wrap holds the process group: let it go first

@@ -98,7 +98,8 @@ def main() -> None:
     scape.broadcast_parameters(model, comm=mesh["dp"])  # the DP replicas start equal
     opt = scape.SCAPE([{"params": model.replicated}, {"params": model.sharded}], lr=args.lr,
                       sparsity=args.sparsity, block_size=args.block_size,
-                      warmup_steps=args.warmup_steps, comm=mesh["dp"])
+                      total_steps=args.steps, warmup_steps=args.warmup_steps,
+                      comm=mesh["dp"])
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, args.steps, eta_min=args.lr / 10)
 
     files = sorted(Path(os.__file__).parent.glob("*.py"))[:200]  # the stdlib's source bytes

@@ -110,9 +110,9 @@ def _check_structure(opt: ShardedState, sd: dict[str, Any]) -> None:
     check_layout(opt, sd["optimizer"], sd["param_groups"], sd["block_size"], sd["buckets"])
 
 
-_APART_HINT = (" (with update='early', attach(model) before the first step gives the embedding "
-               "matrices buckets of their own: build and attach the optimizer as the one that "
-               "saved did, then load)")
+_APART_HINT = (" (with update='agree', the default, attach(model) before the first step gives "
+               "the embedding matrices buckets of their own: build and attach the optimizer as "
+               "the one that saved did, then load)")
 
 
 def check_layout(opt: ShardedState, optimizer: str, groups: list[dict[str, Any]], block_size: int,

@@ -1,4 +1,4 @@
-"""The embedding matrices' share of a sparse group's bytes (``update="early"``).
+"""The embedding matrices' share of a sparse group's bytes (``update="agree"``, the default).
 
 The rows of a token embedding (and of a head tied to it) take a gradient at every step, the
 rows of frequent tokens large and steady ones. Masks with one budget per block give them the
@@ -7,7 +7,7 @@ share of the rest of the model, and they lag behind dense AdamS more than the re
 per-block budget cannot move the bytes to them: the group's layout is contiguous, so they
 fill a few ranks' shards whole.
 
-With ``update="early"``, :meth:`scape.SCAPE.attach` (before the first step) gives the
+With ``update="agree"``, :meth:`scape.SCAPE.attach` (before the first step) gives the
 ``nn.Embedding`` weights of each sparse group a bucket of their own in that group, and the
 group's ``sparsity`` keeps its meaning: what the group sends in all. With ``k`` the group's
 budget per block of ``B`` (:func:`scape.rules.block_budget`) and ``f`` the embeddings' share of
@@ -16,7 +16,7 @@ the group's blocks, the embeddings' budget per block is::
     k_e = min(B / 2, 5 k)   where the group's masks read the wait (sparsity up to 0.974)
     k_e = 2 k               above, at most the largest budget that does not read the wait
 
-(so that ``early`` keeps the group's catch-up bound and EMAs there), at most what gives them
+(so that ``agree`` keeps the group's catch-up bound and EMAs there), at most what gives them
 half of the group's bytes and at least ``k``; the rest of the group takes what is left,
 ``k_r = (k - f k_e) / (1 - f)`` (the sparsities this gives on the benchmark workloads:
 docs/research.md, "The embedding matrices set apart inside one group").

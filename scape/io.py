@@ -253,7 +253,8 @@ def _check_tensor(where: str, t: Any, dtype: torch.dtype, shape: tuple[int, ...]
 
 def _counter_ok(v: Any, nested: bool = True) -> bool:
     """An optimizer counter: an int, a finite float, or (one level) a map of param group index
-    to one of those (per-group counters; files saved by earlier versions carry such maps)."""
+    to one of those (per-group counters; the index as a string, or as an int in files saved
+    by earlier versions)."""
     if isinstance(v, bool):
         return False
     if isinstance(v, int):
@@ -261,8 +262,14 @@ def _counter_ok(v: Any, nested: bool = True) -> bool:
     if isinstance(v, float):
         return math.isfinite(v)
     return nested and isinstance(v, dict) and all(
-        isinstance(k, int) and not isinstance(k, bool) and _counter_ok(x, nested=False)
-        for k, x in v.items())
+        _group_key(k) and _counter_ok(x, nested=False) for k, x in v.items())
+
+
+def _group_key(k: Any) -> bool:
+    """A param group's index: a non-negative int, or its decimal string."""
+    if isinstance(k, str):
+        return k.isascii() and k.isdecimal()
+    return isinstance(k, int) and not isinstance(k, bool) and k >= 0
 
 
 def validate_state(opt: ShardedState, sd: dict[str, Any], rank: int,

@@ -40,6 +40,7 @@ from scape.masks import MaskState, fit_mask, on_device
 from scape.optim_hooks import load_state_dict_hooks, state_dict_hooks
 from scape.profiling import phase
 from scape.rules import ShardState, block_budget
+from scape.schedules import RAMP_START, sparsity_ramp, start_ramp_steps
 from scape.sharded import ShardedOptimizer, _Pending, positional_error
 from scape.two_level import NodeLevel
 
@@ -61,15 +62,14 @@ class SCAPE(ShardedOptimizer):
             so its total matches dense AdamW).
         sparsity: fraction of coordinates *not* sent per step, in [0, 1); 0.99 sends 1 in 100,
             about 1/80 of a dense step's bytes (README, "Cost").
-        update: how a sent coordinate is updated and how masks are chosen: ``"auto"`` (the
-            default, for a tuned lr; 16 B of state per shard coordinate),
-            ``"robust"`` (an lr above the tuned one), ``"early"`` (short runs, with
-            ``warmup_steps=1`` and :class:`scape.SparsityRamp`; with :meth:`attach` it sends
-            the embedding matrices more often: :mod:`scape.embeddings`), ``"sqrt"`` (no extra
-            state), ``"lazy"`` (the baseline), or a name added with :func:`scape.rules.register`
-            (:mod:`scape.rules` says what each does).
-        block_size: coordinates per mask block (power of two in [256, 32768]); each block
-            sends ``max(1, round((1 - sparsity) * block_size))`` coordinates per step.
+        update: how a sent coordinate is updated and how masks are chosen (:mod:`scape.rules`):
+            ``"agree"`` (the default; 16 B of state per shard coordinate), ``"sqrt"`` (no
+            extra state), ``"lazy"`` (the paper's baseline), or a name added with
+            :func:`scape.rules.register`.
+        block_size: coordinates per mask block (power of two in [256, 32768]).
+        total_steps: the run's length, to size the start: after ``warmup_steps`` dense steps
+            the sparsity ramps from 0.5 up over as many steps as keep a 0.99 run within 1/50
+            of dense's bytes (:mod:`scape.schedules`). None: a 100-step ramp.
         warmup_steps: dense steps at the start (they build the statistics the masks read).
         dense_every: every n-th step is dense, which sends everything left in the residuals
             (0: never). Each costs one dense step's bytes.
@@ -86,13 +86,16 @@ class SCAPE(ShardedOptimizer):
     def __init__(self, params: Any, *args: Any, lr: float | None = None,
                  betas: tuple[float, float] = (0.9, 0.95),
                  eps: float = 1e-8, weight_decay: float = 0.0, sparsity: float = 0.99,
-                 update: str = "auto", block_size: int = 4096, warmup_steps: int = 20,
+                 update: str = "agree", block_size: int = 4096,
+                 total_steps: int | None = None, warmup_steps: int = 1,
                  dense_every: int = 0, max_grad_norm: float | None = None,
                  grad_comm_dtype: torch.dtype = torch.float32,
                  comm: Communicator | None = None) -> None:
         self._call_error = positional_error(self.name, args, lr)
         self.warmup_steps = warmup_steps
         self.dense_every = dense_every
+        self.total_steps = total_steps
+        self._ramp_steps: int | None = None  # sized at the first mask (after attach)
         self.update = update
         self.rule = rules.RULES.get(update) if isinstance(update, str) else None
         """The rule in force (:mod:`scape.rules`); it may be swapped for another with the same
@@ -101,6 +104,7 @@ class SCAPE(ShardedOptimizer):
                         sparsity=sparsity)
         rule = self.rule  # every rank sends the same fields, also a rank whose name is unknown
         fields = dict(warmup_steps=warmup_steps, dense_every=dense_every, update=update,
+                      total_steps=total_steps,
                       rule=None if rule is None else (rule.extra, rule.explore,
                                                       rule.error_feedback, rule.score_reads_hp))
         super().__init__(params, defaults, comm=comm, block_size=block_size,
@@ -109,6 +113,8 @@ class SCAPE(ShardedOptimizer):
 
     def _build_layout(self, apart: frozenset[int]) -> None:
         super()._build_layout(apart)
+        if not getattr(self, "_ramp_fixed", False):
+            self._ramp_steps = None  # the budgets changed: sized again at the first mask
         self._share = [embeddings.share_of_blocks(self.buckets, gi)
                        for gi in range(len(self.param_groups))]
         """Per group, its embedding matrices' share of its blocks (0.0: none set apart)."""
@@ -124,10 +130,11 @@ class SCAPE(ShardedOptimizer):
             self.level = NodeLevel(self.comm, self.buckets, [m is not None for m in self.masks])
 
     def attach(self, model: torch.nn.Module) -> Any:
-        """:meth:`ShardedOptimizer.attach`; with ``update="early"``, before the first step,
-        it first gives ``model``'s embedding matrices a bucket of their own in each sparse
-        group and a larger share of the group's bytes (:mod:`scape.embeddings`). Collective
-        then: every rank attaches the same model."""
+        """:meth:`ShardedOptimizer.attach`; with a rule that sets the embeddings apart (the
+        default, ``update="agree"``), before the first step, it first gives ``model``'s
+        embedding matrices a bucket of their own in each sparse group and a larger share of
+        the group's bytes (:mod:`scape.embeddings`). Collective then: every rank attaches the
+        same model."""
         rule = self.rule
         if rule is not None and rule.embeddings_apart and self._step == 0 \
                 and not any(b.apart for b in self.buckets):
@@ -160,6 +167,8 @@ class SCAPE(ShardedOptimizer):
         config.check_int("dense_every", global_fields["dense_every"], 0)
         rules.get(global_fields["update"])  # ValueError naming the known rules
         config.check_int("warmup_steps", global_fields["warmup_steps"], 0)
+        if global_fields["total_steps"] is not None:
+            config.check_int("total_steps", global_fields["total_steps"], 1)
 
     def _validate_group(self, group: dict, index: int) -> None:
         super()._validate_group(group, index)
@@ -249,8 +258,31 @@ class SCAPE(ShardedOptimizer):
             kx = rules.round_half_up(self.explore * k)
         return k, kx
 
+    @property
+    def ramp_steps(self) -> int:
+        """The start's sparsity ramp in steps after the dense warm-up: sized from
+        ``total_steps`` (:func:`scape.schedules.start_ramp_steps`) on the layout, so read it
+        after :meth:`attach`; 0 once a :class:`scape.SparsityRamp` took the ramp over."""
+        if self._ramp_steps is None:
+            self._ramp_steps = start_ramp_steps(self, self.total_steps)
+        return self._ramp_steps
+
+    @ramp_steps.setter
+    def ramp_steps(self, steps: int) -> None:
+        config.check_int("ramp_steps", steps, 0)
+        self._ramp_steps, self._ramp_fixed = int(steps), True
+
+    def sparsity_at(self, group: int, t: int) -> float:
+        """The sparsity of the mask made at step ``t`` for param group ``group``: the group's
+        own, or on the start's ramp (:func:`scape.sparsity_ramp` at ``t - warmup_steps``)."""
+        end = float(self.param_groups[group]["sparsity"])
+        if end == 0.0 or self.ramp_steps == 0:
+            return end
+        return sparsity_ramp(t - self.warmup_steps, start=min(RAMP_START, end), end=end,
+                             ramp_steps=self.ramp_steps)
+
     def _set_budget(self, b: Bucket, mask: MaskState) -> None:
-        mask.k, mask.k_explore = self.mask_budget(b)
+        mask.k, mask.k_explore = self.mask_budget(b, self.sparsity_at(b.group, self._step))
 
     def _undo_ahead(self) -> None:
         for s, m in zip(self.shards, self.masks):

@@ -1,16 +1,18 @@
-"""Sparsity schedules: values a trainer writes into ``param_group["sparsity"]`` between steps,
-as an LR scheduler writes ``lr`` (:class:`scape.SCAPE` reads the group's value whenever it
-makes a mask).
+"""The start of a run: dense steps, then a sparsity ramp; and sparsity schedules a trainer
+writes into ``param_group["sparsity"]`` between steps, as an LR scheduler writes ``lr``.
 
-A sparsity warm-up spends more of a run's bytes early, as Deep Gradient Compression (Lin et
-al., 2018) does. Here it stands in for dense warm-up steps: with ``warmup_steps=1``, a ramp
-from 0.5 to 0.99 (20 steps at 600 steps, 10 at 400) keeps a run within 1/50 of dense AdamS's
-bytes, where the 20 default dense steps alone bring it to 1/22 at 600 steps. How such ramps
-compare with the default warm-up, and with the same bytes spread evenly over the run:
-docs/research.md, entry 11, "A sparsity ramp in place of the dense warm-up", "The ramp at
-0.9". :class:`SparsityRamp` writes it, sized to a byte budget, as an LR scheduler does::
+:class:`scape.SCAPE` ramps by itself: after ``warmup_steps`` dense steps (1 by default) each
+sparse group's sparsity rises from :data:`RAMP_START` to its own over
+:func:`start_ramp_steps` steps, sized from the optimizer's ``total_steps`` so that a run at
+sparsity 0.99 sends at most :data:`RAMP_BUDGET` of dense AdamS's bytes. A sparsity warm-up
+spends more of a run's bytes early, as Deep Gradient Compression (Lin et al., 2018) does; here
+it stands in for a longer dense warm-up (docs/research.md, entry 11, "A sparsity ramp in place
+of the dense warm-up", and "A third workload, kept apart").
 
-    opt = scape.SCAPE(model.parameters(), lr=3e-4, sparsity=0.99, warmup_steps=1)
+:class:`SparsityRamp` is the same ramp written from outside, in place of the optimizer's
+own, for a ramp of another start or length (or none), as an LR scheduler does::
+
+    opt = scape.SCAPE(model.parameters(), lr=3e-4, sparsity=0.99)
     ramp = scape.SparsityRamp(opt, start=0.5, total_steps=400, budget=1 / 50)  # 10 steps
     for batch in loader:
         loss_fn(model, batch).backward()
@@ -25,12 +27,27 @@ step by step), :func:`longest_ramp` the ramp a budget allows.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from scape import config
 
-if TYPE_CHECKING:
-    from scape.optimizer import SCAPE
+SCAPE = Any
+"""What the functions here take: a :class:`scape.SCAPE` (``scape.optimizer`` imports this
+module, so it is checked by what it has, not imported)."""
+
+RAMP_START = 0.5
+"""Where the start's ramp begins: half the coordinates (a group sparser than this ramps from
+its own). Chosen on the two bundled workloads (docs/research.md, entry 11)."""
+RAMP_BUDGET = 1 / 50
+"""The bytes, as a fraction of dense AdamS's, that a run at :data:`RAMP_REFERENCE` may send
+with its ramp (the byte goal README "Cost" states)."""
+RAMP_REFERENCE = 0.99
+"""The sparsity the ramp's length is sized at: a group at any sparsity ramps for as many steps
+as one at 0.99 would (so 0.9, which alone sends more than :data:`RAMP_BUDGET`, ramps too)."""
+RAMP_STEPS_UNSIZED = 100
+"""The ramp's length when the optimizer is not told the run's length: about what a 2,000-step
+run is sized to (91 steps on the bundled model), so within :data:`RAMP_BUDGET` from runs of
+about that length on; a shorter run sends more (give ``total_steps``)."""
 
 
 def sparsity_ramp(step: int, *, start: float, end: float, ramp_steps: int) -> float:
@@ -63,9 +80,8 @@ def mean_ramp_density(start: float, end: float) -> float:
     return d0 if math.isclose(d0, d1) else (d0 - d1) / math.log(d0 / d1)
 
 
-def _check_opt(opt: object, counts_bytes: bool = True) -> None:
-    from scape.optimizer import SCAPE
-    if not isinstance(opt, SCAPE):
+def _check_opt(opt: Any, counts_bytes: bool = True) -> None:
+    if not all(hasattr(opt, a) for a in ("masks", "mask_budget", "is_dense_step", "ramp_steps")):
         raise TypeError(f"expected a scape.SCAPE optimizer, got {type(opt).__name__}")
     from scape.two_level import NodeLevel
     if counts_bytes and isinstance(opt.level, NodeLevel):
@@ -82,7 +98,8 @@ def run_bytes(opt: SCAPE, total_steps: int, *, start: float | None = None,
     else sparse; from the last warm-up step on, each step (but one before a dense refresh)
     also shares the next mask, made at :func:`sparsity_ramp` ``(t - warmup_steps)`` from
     ``start`` to each sparse group's sparsity (``ends``: their values now by default) over
-    ``ramp_steps`` (no ramp when ``start`` is None). Dense AdamS sends ``N (b_g + b_p) + 8``
+    ``ramp_steps`` (no ramp when ``start`` is None; both left out: the optimizer's own ramp,
+    :attr:`scape.SCAPE.ramp_steps`). Dense AdamS sends ``N (b_g + b_p) + 8``
     a step: the same wire dtypes, no padding. Exact for every rank's payload, as
     ``opt.last_step.bytes`` counts it (ring factors aside); a group whose sparsity changes
     otherwise is not foreseen. A group whose embedding matrices are set apart
@@ -91,7 +108,13 @@ def run_bytes(opt: SCAPE, total_steps: int, *, start: float | None = None,
     """
     _check_opt(opt)
     config.check_int("total_steps", total_steps, 1)
-    ends = _ends(opt, ends)
+    if start is None and ramp_steps == 0 and opt.ramp_steps:  # the optimizer's own ramp
+        start, ramp_steps = RAMP_START, opt.ramp_steps
+    return _run_bytes(opt, total_steps, start, ramp_steps, _ends(opt, ends))
+
+
+def _run_bytes(opt: SCAPE, total_steps: int, start: float | None, ramp_steps: int,
+               ends: list[float]) -> float:
     b_g = opt.grad_comm_dtype.itemsize
     w, bsz = opt.warmup_steps, opt.block_size
 
@@ -127,10 +150,16 @@ def longest_ramp(opt: SCAPE, total_steps: int, *, budget: float, start: float = 
     send at most ``budget`` of dense AdamS's bytes (:func:`run_bytes`): 0 when only no ramp
     fits. Raises ``ValueError`` when even that does not fit (fewer warm-up steps, a lower
     target sparsity or a larger budget would)."""
+    _check_opt(opt)
+    config.check_int("total_steps", total_steps, 1)
+    return _longest_ramp(opt, total_steps, budget, start, _ends(opt, ends))
+
+
+def _longest_ramp(opt: SCAPE, total_steps: int, budget: float, start: float,
+                  ends: list[float]) -> int:
     if not 0.0 < budget <= 1.0:
         raise ValueError(f"Invalid budget: {budget} (a fraction of dense's bytes in (0, 1])")
-    ends = _ends(opt, ends)
-    no_ramp = run_bytes(opt, total_steps, ends=ends)
+    no_ramp = _run_bytes(opt, total_steps, None, 0, ends)
     if no_ramp > budget:
         raise ValueError(f"{total_steps} steps of this optimizer send {no_ramp:.4f} of "
                          f"dense's bytes without a ramp, more than the budget {budget:.4f}: "
@@ -138,11 +167,29 @@ def longest_ramp(opt: SCAPE, total_steps: int, *, budget: float, start: float = 
     lo, hi = 0, max(0, total_steps - opt.warmup_steps)  # bytes grow with the ramp's length
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if run_bytes(opt, total_steps, start=start, ramp_steps=mid, ends=ends) <= budget:
+        if _run_bytes(opt, total_steps, start, mid, ends) <= budget:
             lo = mid
         else:
             hi = mid - 1
     return lo
+
+
+def start_ramp_steps(opt: SCAPE, total_steps: int | None) -> int:
+    """The length of ``opt``'s start ramp for a run of ``total_steps`` steps: the longest that
+    keeps it within :data:`RAMP_BUDGET` of dense AdamS's bytes were every sparse group at
+    :data:`RAMP_REFERENCE` (:func:`longest_ramp` from :data:`RAMP_START`); 0 where not even
+    no ramp fits (a run of a few steps, or many dense ones); :data:`RAMP_STEPS_UNSIZED` for
+    ``total_steps=None``. The same on every rank (it reads the layout only). A two-level
+    optimizer is sized by the same formula over its buckets."""
+    if not any(g["sparsity"] > 0 for g in opt.param_groups):
+        return 0  # nothing to ramp
+    if total_steps is None:
+        return RAMP_STEPS_UNSIZED
+    ends = [RAMP_REFERENCE if g["sparsity"] > 0 else 0.0 for g in opt.param_groups]
+    try:
+        return _longest_ramp(opt, total_steps, RAMP_BUDGET, RAMP_START, ends)
+    except ValueError:  # even no ramp sends more than the budget
+        return 0
 
 
 class SparsityRamp:
@@ -155,7 +202,8 @@ class SparsityRamp:
     ``opt.step_count``, so it follows a loaded checkpoint; a group whose target is below
     ``start`` keeps its target throughout. Give ``ramp_steps``, or ``total_steps`` and
     ``budget`` to take :func:`longest_ramp` (one level only: it counts bytes with the formula
-    of README "Cost"). Save it with the
+    of README "Cost"); ``ramp_steps=0`` is no ramp. It replaces the optimizer's own start ramp
+    (``opt.ramp_steps`` becomes 0). Save it with the
     optimizer (``scape.save_checkpoint(opt, root, extra={"ramp": ramp})``): its state holds
     the targets, which the groups' own values no longer show mid-ramp.
     """
@@ -176,6 +224,7 @@ class SparsityRamp:
                                       ends=self.ends)
         config.check_int("ramp_steps", ramp_steps, 0)
         self.start, self.ramp_steps = float(start), int(ramp_steps)
+        opt.ramp_steps = 0  # this ramp replaces the optimizer's own
         self.step()
 
     def step(self) -> None:

@@ -16,7 +16,7 @@ from scape import faults
 
 BLOCK = 256
 OPT_KW = dict(lr=2e-2, sparsity=0.9, block_size=BLOCK, warmup_steps=3, dense_every=5,
-              update="auto", weight_decay=0.01)
+              update="agree", weight_decay=0.01)
 EXPLORE = 0.25
 """The masks take a quarter of each block's budget by age: the age path runs every step."""
 

@@ -20,9 +20,9 @@ import scape
 
 ADAMW_BYTES = 12
 """fp32 master weights, exp_avg and exp_avg_sq."""
-SCAPE_BYTES = {"auto": 28, "robust": 28, "early": 28, "sqrt": 12, "lazy": 12}
-"""fp32 master weights and m, int32 age; the rule's statistics: 16 bytes for auto, robust and
-early (prev, s2, s2w, mu), none for sqrt and lazy."""
+SCAPE_BYTES = {"agree": 28, "sqrt": 12, "lazy": 12}
+"""fp32 master weights and m, int32 age; the rule's statistics: 16 bytes for agree (prev, s2,
+s2w, mu), none for sqrt and lazy."""
 
 
 def _model() -> torch.nn.Module:

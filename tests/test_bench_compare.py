@@ -245,7 +245,7 @@ def test_compare_tables_targets_and_headline():
     assert targets["scape-0.9 val loss / adams val loss"]["met"] is None  # not run
     report = {"quality": {"table": list(q.values()), "workload": {"steps": 600}},
               "speed": {"table": list(s.values()), "link": {"requested": "100mbit"}},
-              "update": "auto"}
+              "update": "agree"}
     head = headline(report)
     assert head["loss_ratio"] == q["scape-0.99"]["val_ratio_to_adams"]
     assert head["speedup"] == s["scape-0.99"]["speedup_over_adams"]
@@ -347,7 +347,7 @@ def test_tracker_eta_calibrates_from_measured_steps(monkeypatch):
     ("scape-0.99-embed0.9", {"optimizer": "scape", "sparsity": 0.99,
                              "group_sparsity": {"embed": 0.9}}),
     ("scape-0.99@robust", {"optimizer": "scape", "sparsity": 0.99,
-                           "optimizer_kwargs": {"update": "robust"}})])
+                           "optimizer_kwargs": {"update": "robust", "warmup_steps": 20}})])
 def test_rows_are_looked_up_by_name(name, expected):
     assert resolve(name) == (name, expected)
 

@@ -252,7 +252,8 @@ def test_a_rule_reaches_scape_rows_and_bad_ones_are_refused():
     assert (cfg.optimizer, cfg.sparsity) == ("scape", 0.9)
     assert cfg.optimizer_kwargs == {"warmup_steps": 2, "update": "early"}
     cfg = make_config(wl, COMMON, "scape-0.99@robust", 600, 3e-4, 0, "x", 60.0)
-    assert (cfg.sparsity, cfg.optimizer_kwargs) == (0.99, {"update": "robust"})
+    assert (cfg.sparsity, cfg.optimizer_kwargs) == (0.99, {"update": "robust",
+                                                          "warmup_steps": 20})
     nope = row("scape-0.99-nope", optimizer="scape", sparsity=0.99,
                optimizer_kwargs={"update": "nope"})
     with pytest.raises(ValueError, match="unknown rule 'nope'.*auto"):
@@ -358,7 +359,8 @@ def test_a_follow_row_spends_the_same_bytes_while_the_lr_is_high(q):
     with pytest.raises(ValueError, match=r"power in \(0, 4\]"):
         RunConfig(hooks={"bench.research.follow:Hook": {"q": 0.0}})
     with pytest.raises(ValueError, match="turn dense at the peak lr"):
-        RunConfig(sparsity=0.3, hooks=hooks, steps=200)
+        RunConfig(sparsity=0.3, hooks=hooks, steps=200,
+                  optimizer_kwargs={"warmup_steps": 20})  # a borderline case at 20 dense steps
     # with the research loaded its rows (by name) and rules pass too
     assert resolve("scape-0.99-ramp0.5x20-follow1@early")[1]["hooks"] == {
         "bench.research.follow:Hook": {"q": 1.0}}

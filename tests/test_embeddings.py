@@ -1,4 +1,4 @@
-"""The embedding matrices set apart (``update="early"`` with ``attach(model)``): the budget
+"""The embedding matrices set apart (``update="agree"`` with ``attach(model)``): the budget
 split holds the group's bytes, the layout is rebuilt before the first step only, training and
 checkpoints work on the new layout, and the ranks must agree on it."""
 
@@ -48,7 +48,7 @@ def _loss(model: nn.Module, g: torch.Generator) -> torch.Tensor:
     return nn.functional.cross_entropy(model(idx).flatten(0, 1), idx.roll(1, 1).flatten())
 
 
-def _opt(model: nn.Module, update: str = "early", sparsity: float = 0.9,
+def _opt(model: nn.Module, update: str = "agree", sparsity: float = 0.9,
          comm=None) -> scape.SCAPE:
     return scape.SCAPE(model.parameters(), lr=3e-3, weight_decay=0.1, sparsity=sparsity,
                        update=update, warmup_steps=1, block_size=B, comm=comm)
@@ -122,7 +122,7 @@ def test_attach_sets_the_embeddings_apart_and_keeps_values_and_grads():
         opt.step()
 
 
-@pytest.mark.parametrize("case", ["auto", "no_attach", "after_a_step", "only_embeddings",
+@pytest.mark.parametrize("case", ["sqrt", "no_attach", "after_a_step", "only_embeddings",
                                   "dense_group"])
 def test_nothing_is_set_apart(case):
     model = Tiny()
@@ -130,12 +130,12 @@ def test_nothing_is_set_apart(case):
         opt = scape.SCAPE([{"params": [model.emb.weight]},
                            {"params": list(model.mix.parameters()) + list(
                                model.norm.parameters())}],
-                          lr=3e-3, sparsity=0.9, update="early", warmup_steps=1, block_size=B)
+                          lr=3e-3, sparsity=0.9, update="agree", warmup_steps=1, block_size=B)
     elif case == "dense_group":
-        opt = scape.SCAPE(model.parameters(), lr=3e-3, sparsity=0.0, update="early",
+        opt = scape.SCAPE(model.parameters(), lr=3e-3, sparsity=0.0, update="agree",
                           block_size=B)
     else:
-        opt = _opt(model, "auto" if case == "auto" else "early")
+        opt = _opt(model, "sqrt" if case == "sqrt" else "agree")
     layout = [[id(p) for p in b.params] for b in opt.buckets]
     if case == "after_a_step":
         _loss(model, torch.Generator().manual_seed(1)).backward()

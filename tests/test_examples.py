@@ -85,12 +85,27 @@ def _k_b(sparsity: float, block: int) -> int:
 
 
 def _check_bytes(r: dict) -> None:
-    """A sparse step's bytes, by collective, against README "Cost", bucket by bucket."""
+    """A sparse step's bytes, by collective, against README "Cost", bucket by bucket: one
+    bucket per group (fp32), or, where ``attach`` set a group's embedding matrices apart, two
+    whose budgets split the group's (``scape.embeddings.split_budget``)."""
+    from scape.embeddings import split_budget
+
     w, b, s = r["world"], r["block_size"], r["sparsity"]
     unit = w * b
-    n_pad = [-(-n // unit) * unit for n in r["group_numels"]]  # one bucket per group (fp32)
-    assert n_pad == r["bucket_n_pad"], (n_pad, r["bucket_n_pad"])
-    k = sum(w * (n // w // b) * _k_b(s, b) for n in n_pad)
+    n_pad = [-(-n // unit) * unit for n in r["group_numels"]]
+    got, groups, apart = r["bucket_n_pad"], r["bucket_group"], r["bucket_apart"]
+    k = 0
+    for g, want in enumerate(n_pad):
+        mine = [(n, a) for n, gg, a in zip(got, groups, apart) if gg == g]
+        assert all(n % unit == 0 for n, _ in mine), mine
+        if len(mine) == 1:  # one bucket: the group padded as a whole
+            assert mine[0][0] == want and not mine[0][1], (want, mine)
+            k += w * (want // w // b) * _k_b(s, b)
+            continue
+        assert sorted(a for _, a in mine) == [False, True] and sum(n for n, _ in mine) >= want
+        share = sum(n for n, a in mine if a) / sum(n for n, _ in mine)
+        k_e, k_r = split_budget(_k_b(s, b), b, share)
+        k += sum(w * (n // w // b) * (k_e if a else k_r) for n, a in mine)
     b_g, b_p = r["grad_bytes"], r["param_bytes"]
     scalar = SCALAR_BYTES + (CLIP_BYTES if r["max_grad_norm"] is not None else 0)
     sparse = r["sparse_step"]
@@ -100,7 +115,7 @@ def _check_bytes(r: dict) -> None:
     assert sum(sparse["bytes"].values()) == k * (b_g + b_p + 2) + scalar
     dense = r.get("dense_step")
     if dense is not None and dense["step"] == 1:  # the first step: no mask in flight yet
-        want = sum(n_pad) * (b_g + b_p) + scalar
+        want = sum(got) * (b_g + b_p) + scalar
         assert sum(dense["bytes"].values()) == want, dense["bytes"]
 
 

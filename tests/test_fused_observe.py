@@ -1,4 +1,4 @@
-"""The default rule's shard pass before the take (``Rule.observe_select``, one kernel on a
+"""A gain rule's shard pass before the take (``Rule.observe_select``, one kernel on a
 GPU): an optimizer that makes the next mask there ends every step bitwise where the same rule
 made in three passes ends (state, ages, masks, parameters), on the torch and the Triton path,
 on one rank and on two, through a skipped step; a rule whose update ignores the advanced ages
@@ -13,16 +13,17 @@ import torch
 from dist import run_ranks
 
 import scape
+from bench.research.rules import AUTO
 from scape import rules
 from scape.comm import TorchCommunicator
 from scape.kernels import adams_sparse_
 from scape.rules import builtin
 
 UNFUSED = "auto-in-three-passes"
-rules.register(UNFUSED, dataclasses.replace(rules.RULES["auto"], observe_select=None),
+rules.register(UNFUSED, dataclasses.replace(AUTO, observe_select=None),
                replace=True)
 BY_SCORE = "auto-by-score"
-rules.register(BY_SCORE, dataclasses.replace(rules.RULES["auto"], observe_select=None,
+rules.register(BY_SCORE, dataclasses.replace(AUTO, observe_select=None,
                                              select=None), replace=True)
 
 
@@ -33,6 +34,7 @@ def _run(update: str, steps: int, comm=None, rank: int = 0, nan_at: int = 7,
     q = torch.nn.Parameter(torch.randn(33, 31))  # a second bucket entry, padded
     opt = scape.SCAPE([p, q], lr=3e-3, sparsity=sparsity, block_size=256, warmup_steps=3,
                       update=update, max_grad_norm=1.0, comm=comm)
+    opt.ramp_steps = 0  # the rule at ``sparsity`` from the first sparse step
     g = torch.Generator().manual_seed(100 + rank)
     masks = []
     for t in range(1, steps + 1):
@@ -128,7 +130,7 @@ def test_update_that_ignores_the_advanced_ages_is_refused():
                       beta1=hp["beta1"], beta2=hp["beta2"], eps=hp["eps"],
                       weight_decay=hp["weight_decay"], model_out=model_out)
 
-    rules.register("fused-but-plain", dataclasses.replace(rules.RULES["auto"],
+    rules.register("fused-but-plain", dataclasses.replace(AUTO,
                                                           update=plain_update), replace=True)
     with pytest.raises(RuntimeError, match="did not take shard.age_at_mask"):
         _run("fused-but-plain", 6, nan_at=-1)

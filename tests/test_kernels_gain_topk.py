@@ -10,6 +10,7 @@ import torch
 from conftest import nan_empty
 from kernel_cases import brute_topk, gain_inputs, seeded
 
+from bench.research import rules as research_rules
 from scape import kernels, rules
 from scape.kernels import reference as ref
 from scape.rules import ShardState
@@ -88,12 +89,14 @@ def test_gain_topk_validates():
 @pytest.mark.parametrize("rule", ["auto", "robust"])
 @pytest.mark.parametrize("sparsity", [0.9, 0.99])
 def test_rule_select_is_its_score_mask(kernel_backend, backend, rule, sparsity):
-    """The built-in gain rules make their masks through ``select``; it gives the mask that
-    ``blockwise_topk`` takes from their ``score``, which reads the mask's budget: the fresh
-    gain above sparsity 0.974, the gain with the wait up to it (``reads_wait``)."""
+    """The research's ``auto`` and ``robust`` make their masks through ``select``; it gives
+    the mask that ``blockwise_topk`` takes from their ``score``, which reads the mask's
+    budget: the fresh gain above sparsity 0.974, the gain with the wait up to it
+    (``reads_wait``)."""
     kernel_backend(backend)
     r = rules.get(rule)
-    assert r.select is rules.gain_select_auto and r.score is rules.gain_score_auto
+    assert r.select is research_rules.gain_select_auto
+    assert r.score is research_rules.gain_score_auto
     mu, s2, s2w, age, prev = _inputs(1024, 3, True, rule)
     shard = ShardState(master=torch.zeros_like(mu), m=torch.zeros_like(mu), age=age,
                        extra={"mu": mu, "s2": s2, "s2w": s2w, "prev": prev})

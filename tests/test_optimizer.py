@@ -112,7 +112,7 @@ CONFIGS = {
     "set_to_none": dict(sparsity=0.9, warmup_steps=2, set_to_none=True),
     "lazy": dict(sparsity=0.9, warmup_steps=2, update="lazy"),
     "sqrt": dict(sparsity=0.9, warmup_steps=2, update="sqrt"),
-    "robust": dict(sparsity=0.9, warmup_steps=2, update="robust"),
+    "ramp": dict(sparsity=0.9, warmup_steps=2, ramp=4),  # the start's ramp over 4 steps
     # the group's sparsity changed before every step (a sparsity warm-up and back)
     "schedule": dict(sparsity=0.9, warmup_steps=2,
                      schedule=[0.9, 0.9, 0.95, 0.8, 0.99, 0.97, 0.9, 0.9, 0.95]),
@@ -124,7 +124,7 @@ def _rule_options(cfg: dict) -> dict:
     (they are fields of a rule, not optimizer arguments)."""
     opts = {k: cfg.pop(k) for k in ("explore", "error_feedback") if k in cfg}
     if opts:
-        base = cfg.get("update", "auto")
+        base = cfg.get("update", "agree")
         name = base + "".join(f"-{k}{v}" for k, v in sorted(opts.items()))
         if name not in scape.rules.RULES:
             scape.rules.register(name, dataclasses.replace(scape.rules.get(base), **opts))
@@ -151,8 +151,10 @@ def _sparse_body(rank, world, names, steps):
         dtype = cfg.pop("dtype", torch.float32)
         set_to_none = cfg.pop("set_to_none", False)
         schedule = cfg.pop("schedule", None)
+        ramp = cfg.pop("ramp", 0)
         params = _params(3, dtype)
         opt = scape.SCAPE(params, lr=1e-2, block_size=block, **_rule_options(dict(cfg)))
+        opt.ramp_steps = ramp
         b = opt.buckets[0]
         delivered = torch.zeros(b.shard_size, dtype=torch.float64)
         grad_sum = torch.zeros(b.n_pad, dtype=torch.float64)
@@ -194,7 +196,7 @@ def _sparse_body(rank, world, names, steps):
                 flat = _flat_index(mask, block)
                 assert bool(torch.isin(changed, flat).all()), f"{name}: change outside mask"
                 bp = b.param_flat.element_size()
-                k_next, _ = block_budget(opt.param_groups[0]["sparsity"], block,
+                k_next, _ = block_budget(opt.sparsity_at(0, opt.step_count), block,
                                          cfg.get("explore", 0.1))  # the next mask's budget
                 expect = {"reduce_scatter": K * 4,
                           "all_gather": K * bp + (b.n_pad // block) * k_next * 2,
@@ -207,7 +209,7 @@ def _sparse_body(rank, world, names, steps):
                 delivered.index_add_(0, local_flat, sync["g"].double())
             pending = opt.masks[0].wait()  # in flight until the next step's take otherwise
             made_mask = None if pending is None else pending.clone()
-            made_k, _ = block_budget(opt.param_groups[0]["sparsity"], block,
+            made_k, _ = block_budget(opt.sparsity_at(0, opt.step_count), block,
                                      cfg.get("explore", 0.1))
             assert made_mask is None or made_mask.shape[1] == made_k, (name, t)
         # conservation: sum of residuals + W * delivered == sum of all gradients

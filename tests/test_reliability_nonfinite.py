@@ -72,8 +72,8 @@ def _nonfinite_body(rank, world, update):
     return opt.step_count
 
 
-@pytest.mark.parametrize("update", ["sqrt", "auto"],
-                         ids=["sqrt", "auto"])
+@pytest.mark.parametrize("update", ["sqrt", "agree"],
+                         ids=["sqrt", "agree"])
 def test_nonfinite_gradient_skips_on_every_rank(update):
     """Also for a rule with local noise state: one bad gradient must not poison it (a NaN
     kept in ``s2`` would reach the parameters the next time that coordinate is sent)."""

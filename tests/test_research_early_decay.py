@@ -31,8 +31,8 @@ def test_falling_lr_widens_the_bound(sparsity, scale):
     assert not _same(_run("early_decay", lrs, sparsity), _run("early", lrs, sparsity))
 
 
-@pytest.mark.parametrize(("sparsity", "base"), [(0.97, rules.EARLY_TRUST[0]),
-                                                (0.99, rules.EARLY_TRUST[1])])
+@pytest.mark.parametrize(("sparsity", "base"), [(0.97, rules.TRUST[0]),
+                                                (0.99, rules.TRUST[1])])
 @pytest.mark.parametrize("frac", [1.0, 0.7, 0.3, 0.05])
 def test_bound_follows_the_peak(sparsity, base, frac):
     """One update at ``frac`` of the peak lr equals ``catchup_agree`` at ``min(1, base/frac)``

@@ -43,7 +43,7 @@ def test_the_lead_follows_the_step(sparsity):
     assert (lead[sent] * shard.m[sent] <= 0).all()  # along the descent step
     bs = opt.block_size
     rms = shard.master.view(-1, bs).square().mean(dim=1).sqrt().repeat_interleave(bs)
-    bound = rules.early_trust(opt.masks[0].wait().shape[-1], bs) * rms
+    bound = rules.trust_bound(opt.masks[0].wait().shape[-1], bs) * rms
     assert (lead.abs() <= bound * (1 + 1e-5) + 1e-12)[sent].all()
     assert int((age[sent] > 0).sum()) > 0  # some of them had waited
     assert not _same(_without_lead(_run("early_lead", lrs, sparsity)),

@@ -27,6 +27,7 @@ def _run(update: str, lrs: list[float] | None = None, sparsity: float = 0.97) ->
     q = torch.nn.Parameter(torch.randn(33, 31))  # a second bucket entry, padded
     opt = scape.SCAPE([p, q], lr=lrs[0], sparsity=sparsity, block_size=256, warmup_steps=3,
                       update=update, max_grad_norm=1.0)
+    opt.ramp_steps = 0  # the rules at ``sparsity`` from the first sparse step
     g = torch.Generator().manual_seed(11)
     masks = []
     for lr in lrs:

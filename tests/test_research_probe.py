@@ -22,6 +22,7 @@ def _run(update: str, sparsity: float) -> tuple[list[torch.Tensor], scape.SCAPE]
     params = [torch.nn.Parameter(torch.randn(3 * 256)), torch.nn.Parameter(torch.randn(40, 9))]
     opt = scape.SCAPE(params, lr=LRS[0], sparsity=sparsity, block_size=256, warmup_steps=1,
                       weight_decay=0.1, update=update)
+    opt.ramp_steps = 0  # the rule at ``sparsity`` from the first sparse step
     g = torch.Generator().manual_seed(2)
     for lr in LRS:
         opt.param_groups[0]["lr"] = lr

@@ -1,8 +1,9 @@
-"""The built-in ``early`` rule: it trains bit for bit as the research rule it was measured as
-(``catchup_agree_trust28_gain_b98w``), its EMAs take 0.95 while the lr rises and 0.98 after,
-its catch-up is bounded at 1/8 of the block's RMS up to sparsity 0.974 and at 1/2 above, and
-the lr state it reads is saved and restored with the optimizer (state dict and checkpoint
-files), so a resumed run continues as the uninterrupted one."""
+"""The default rule, ``agree`` (the research's ``early``): it trains bit for bit as the
+research rule it was measured as (``catchup_agree_trust28_gain_b98w``), its EMAs take 0.95
+while the lr rises and 0.98 after, its catch-up is bounded at 1/8 of the block's RMS up to
+sparsity 0.974 and at 1/2 above, and the lr state it reads is saved and restored with the
+optimizer (state dict and checkpoint files), so a resumed run continues as the uninterrupted
+one."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ def _build(update: str, sparsity: float, lr: float) -> tuple[scape.SCAPE, list]:
     q = torch.nn.Parameter(torch.randn(33, 31))  # a second bucket entry, padded
     opt = scape.SCAPE([p, q], lr=lr, sparsity=sparsity, block_size=256, warmup_steps=2,
                       weight_decay=0.1, update=update, max_grad_norm=1.0)
+    opt.ramp_steps = 0  # the rule at ``sparsity`` from the first sparse step
     return opt, [p, q]
 
 
@@ -71,12 +73,12 @@ def _same(a: dict, b: dict) -> bool:
 @pytest.mark.parametrize("sparsity", [0.97, 0.99])
 def test_early_trains_as_the_research_rule(sparsity):
     """At 0.97 (the 1/8 bound) and 0.99 (the half bound), through the lr's rise and fall."""
-    assert "early" in rules.BUILTIN
+    assert "agree" in rules.BUILTIN
     lrs = [10 * lr for lr in RISE_FALL]  # large enough for the bounds to bind
     # a fresh instance: the research rule keeps its lr state per shard itself
     rules.register("test-early-research", research.BetaAfterLrWarmup(
         0.5, 0.98, trust_dense=0.125).rule(), replace=True)
-    early = _run("early", lrs, sparsity)
+    early = _run("agree", lrs, sparsity)
     assert _same(_run("test-early-research", lrs, sparsity), early)
     assert torch.isfinite(early["p"]).all() and int((early["age"] == 0).sum()) > 0
 
@@ -89,7 +91,7 @@ def test_the_bound_while_the_lr_rises(sparsity, trust):
     for name, c in (("test-early-ref", trust), ("test-early-other", 0.75 - trust)):
         rules.register(name, rules.gain_selected(
             functools.partial(rules.catchup_agree, trust=c), rules.gain_score), replace=True)
-    early = _run("early", rising, sparsity)
+    early = _run("agree", rising, sparsity)
     assert _same(_run("test-early-ref", rising, sparsity), early)
     assert not torch.equal(_run("test-early-other", rising, sparsity)["p"], early["p"])
 
@@ -98,10 +100,10 @@ def test_the_factor_follows_the_lr():
     """``s2w`` is the EMAs' weight, ``1 - prod(beta)`` over the observed steps: rising, every
     step at 0.95; flat, 0.95 through the two dense steps and the first two sparse ones (the
     first update sees the lr rise from nothing, the EMAs read it a step late), 0.98 after."""
-    rising = _run("early", [1e-3 * (i + 1) for i in range(12)], 0.97)["s2w"]
-    flat = _run("early", [3e-3] * 12, 0.97)["s2w"]
+    rising = _run("agree", [1e-3 * (i + 1) for i in range(12)], 0.97)["s2w"]
+    flat = _run("agree", [3e-3] * 12, 0.97)["s2w"]
     want_rising = 1 - rules.NOISE_BETA ** 12
-    want_flat = 1 - rules.NOISE_BETA ** 4 * rules.EARLY_BETA ** 8
+    want_flat = 1 - rules.NOISE_BETA ** 4 * rules.STEADY_BETA ** 8
     assert torch.allclose(rising, torch.full_like(rising, want_rising), atol=1e-6)
     assert torch.allclose(flat, torch.full_like(flat, want_flat), atol=1e-6)
 
@@ -132,11 +134,11 @@ def test_a_resumed_run_keeps_the_lr_state(how, tmp_path, monkeypatch):
     """Saved after the lr's peak (step 8 of 14), loaded into a new optimizer: the rest trains
     as the uninterrupted run; a load that forgot the peak would take the EMAs back to 0.95
     for a step, and that run differs (the check can fail)."""
-    whole = _run("early", RISE_FALL, 0.97)
+    whole = _run("agree", RISE_FALL, 0.97)
     opt, params = _build("early", 0.97, RISE_FALL[0])
     _steps(opt, params, RISE_FALL[:8], torch.Generator().manual_seed(11))
     counters = opt.counters()
-    assert counters["lr_peak"][0] == max(RISE_FALL[:8]) and counters["lr_rose"][0] == 0
+    assert counters["lr_peak"]["0"] == max(RISE_FALL[:8]) and counters["lr_rose"]["0"] == 0
     assert _same(whole, _resumed(how, 8, tmp_path / "a"))
     monkeypatch.setattr(rules, "load_lr_counters", lambda *a: None)
     assert not _same(whole, _resumed(how, 8, tmp_path / "b"))

@@ -77,8 +77,10 @@ def test_longest_ramp_fits_the_budget_and_one_more_step_does_not():
 
 
 def _manual(steps: int, mixed: bool) -> list[torch.Tensor]:
-    """The loop docs/research.md's runs used: the ramp written by hand before each step."""
+    """The loop docs/research.md's runs used: the ramp written by hand before each step, in
+    place of the optimizer's own."""
     opt = _opt(_groups(2, mixed))
+    opt.ramp_steps = 0
     ends = [g["sparsity"] for g in opt.param_groups]
     for t in range(steps):
         for g, end in zip(opt.param_groups, ends):
@@ -204,3 +206,51 @@ def test_the_ramp_runs_on_two_levels_and_only_the_byte_budget_is_refused():
     for seen, refused in run_ranks(_two_level_ramp, 4, timeout=180):
         assert seen[0] == 0.5 and seen[-1] == 0.99 and seen == sorted(seen)
         assert refused is not None and "two-level" in refused
+
+
+def _train_sent(opt: scape.SCAPE, steps: int, sched=None) -> int:
+    sent = 0
+    for t in range(steps):
+        _grads(opt, t)
+        opt.step()
+        sent += sum(opt.last_step.bytes.values())
+        if sched is not None:
+            sched.step()
+    opt.finish_param_sync()
+    return sent
+
+
+def test_the_optimizers_own_ramp_is_the_scheduler_sized_to_the_run():
+    """``total_steps=T`` trains bit for bit as ``SparsityRamp(total_steps=T, budget=1/50)``
+    from 0.5 on an optimizer without its own ramp, and sends what ``run_bytes`` says: at most
+    1/50 of dense AdamS's bytes, with a ramp one step longer over it."""
+    steps = 400
+    own = scape.SCAPE(_groups(4, False), lr=1e-3, sparsity=0.99, block_size=4096,
+                      total_steps=steps)
+    outside = scape.SCAPE(_groups(4, False), lr=1e-3, sparsity=0.99, block_size=4096)
+    sched = scape.SparsityRamp(outside, start=0.5, total_steps=steps, budget=1 / 50)
+    assert outside.ramp_steps == 0 and own.ramp_steps == sched.ramp_steps > 0
+    sent = _train_sent(own, steps)
+    assert _train_sent(outside, steps, sched) == sent
+    for a, b in zip(own.param_groups[0]["params"], outside.param_groups[0]["params"]):
+        assert torch.equal(a, b)
+    assert own.param_groups[0]["sparsity"] == 0.99  # the group keeps its own value
+    n = sum(p.numel() for p in own.param_groups[0]["params"])
+    assert run_bytes(own, steps) * steps * (8 * n + 8) == pytest.approx(sent, rel=1e-12)
+    assert run_bytes(own, steps) <= 1 / 50 < run_bytes(own, steps, start=0.5,
+                                                       ramp_steps=own.ramp_steps + 1)
+
+
+def test_the_ramps_length_without_the_runs_and_for_a_short_run():
+    """No ``total_steps``: ``RAMP_STEPS_UNSIZED``; a run too short for any ramp within the
+    budget (its dense step alone is more): none. A 0.9 group ramps as long as 0.99 would."""
+    assert scape.SCAPE(_groups(5, False), lr=1e-3, block_size=4096).ramp_steps == \
+        scape.schedules.RAMP_STEPS_UNSIZED
+    assert scape.SCAPE(_groups(5, False), lr=1e-3, block_size=4096,
+                       total_steps=20).ramp_steps == 0
+    at_099 = scape.SCAPE(_groups(5, False), lr=1e-3, block_size=4096, total_steps=1000)
+    at_09 = scape.SCAPE(_groups(5, False), lr=1e-3, sparsity=0.9, block_size=4096,
+                        total_steps=1000)
+    assert at_09.ramp_steps == at_099.ramp_steps > 0
+    with pytest.raises(ValueError, match="total_steps"):
+        scape.SCAPE(_groups(5, False), lr=1e-3, total_steps=0)

@@ -66,13 +66,14 @@ def _flat_indices(opt, i: int) -> torch.Tensor:
 
 def _train(rank: int, world: int, layout: str, sparsity: float, steps: int,
            save: str | None = None, load: str | None = None, start: int = 0,
-           rule: str = "auto") -> dict:
+           rule: str = "agree") -> dict:
     import scape
     from scape.comm import TorchCommunicator
 
     params = _model()
     opt = scape.SCAPE(params, lr=1e-2, sparsity=sparsity, block_size=B, warmup_steps=3, update=rule,
                       weight_decay=0.1, comm=_comm(layout))
+    opt.ramp_steps = 0  # the group's sparsity from the first sparse step
     if load is not None:
         opt.load_state_dict(torch.load(os.path.join(load, f"{opt.comm.rank}.pt")))
     flat = TorchCommunicator()
@@ -111,7 +112,7 @@ def _train(rank: int, world: int, layout: str, sparsity: float, steps: int,
 def _run(layout: str, sparsity: float, steps: int, **kw) -> list[dict]:
     world = 2 if layout == "flat2" else 4
     out = run_ranks(_train, world, layout, sparsity, steps, kw.get("save"), kw.get("load"),
-                    kw.get("start", 0), kw.get("rule", "auto"), timeout=180)
+                    kw.get("start", 0), kw.get("rule", "agree"), timeout=180)
     for r in out:  # (tensors travel between processes as arrays)
         r["params"] = torch.from_numpy(r["params"])
     return out
@@ -120,7 +121,7 @@ def _run(layout: str, sparsity: float, steps: int, **kw) -> list[dict]:
 def test_two_levels_are_flat_scape_among_nodes():
     # "sqrt" keeps no statistics of the owner's own gradient: with it every coordinate
     # follows the same arithmetic on two levels as on 2 flat ranks given the node means.
-    # ("auto" estimates noise from the owner's node, and which node owns a coordinate
+    # ("agree" estimates noise from the owner's node, and which node owns a coordinate
     # differs between the two layouts; its runs are checked below for invariants.)
     hier = _run("hier", 0.9, 10, rule="sqrt")
     ref = _run("flat2", 0.9, 10, rule="sqrt")
@@ -206,6 +207,7 @@ def _train_bf16(rank: int, world: int) -> object:
     params = _model()
     opt = scape.SCAPE(params, lr=1e-2, sparsity=0.9, block_size=B, warmup_steps=2,
                       grad_comm_dtype=torch.bfloat16, max_grad_norm=1.0, comm=_comm("hier"))
+    opt.ramp_steps = 0  # the group's sparsity from the first sparse step
     for t in range(1, 6):
         _backward(params, t, rank, "hier")
         opt.step()
@@ -230,6 +232,7 @@ def _clipped(rank: int, world: int, layout: str) -> dict:
     params = _model()
     opt = scape.SCAPE(params, lr=1e-2, sparsity=0.9, block_size=B, warmup_steps=3,
                       update="sqrt", max_grad_norm=1.0, comm=_comm(layout))
+    opt.ramp_steps = 0  # the group's sparsity from the first sparse step
     norms = []
     for t in range(1, 9):
         _backward(params, t, rank, layout)
@@ -245,6 +248,7 @@ def _nonfinite(rank: int, world: int) -> dict:
     params = _model()
     opt = scape.SCAPE(params, lr=1e-2, sparsity=0.9, block_size=B, warmup_steps=2,
                       comm=_comm("hier"))
+    opt.ramp_steps = 0  # the group's sparsity from the first sparse step
     out: dict = {}
     for t in range(1, 9):
         _backward(params, t, rank, "hier")
@@ -278,6 +282,7 @@ def _dcp_run(rank: int, world: int, path: str, mode: str, layout: str = "hier") 
     params = list(model)
     opt = scape.SCAPE(params, lr=1e-2, sparsity=0.9, block_size=B, warmup_steps=2,
                       comm=_comm(layout))
+    opt.ramp_steps = 0  # the group's sparsity from the first sparse step
     first = 1
     if mode == "load":
         msd, osd = get_state_dict(model, opt)

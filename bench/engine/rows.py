@@ -8,7 +8,7 @@ table says so. A row not in the table is passed as JSON, inline or as a file::
 
     python -m bench.lr_sweep --optimizers adams \\
         '{"name": "scape-0.95-ramp", "optimizer": "scape", "sparsity": 0.95,
-          "sparsity_ramp": [0.5, 20], "optimizer_kwargs": {"update": "early"}}'
+          "sparsity_ramp": [0.5, 20], "optimizer_kwargs": {"update": "agree"}}'
     python -m bench.compare --optimizers adams scape-0.99 rows/my_row.json   # or .toml
 
 A JSON/TOML row needs ``name`` (its label and the name of its result files) and
@@ -43,8 +43,6 @@ ROWS: dict[str, dict[str, Any]] = {
     "compute_only": {"optimizer": "compute_only", "sparsity": 0.99},
     "scape-0.99-embed0.9": {
         "optimizer": "scape", "sparsity": 0.99, "group_sparsity": {"embed": 0.9}},
-    "scape-0.99@robust": {
-        "optimizer": "scape", "sparsity": 0.99, "optimizer_kwargs": {"update": "robust"}},
     "sparseloco-h8-d0.01": {
         "optimizer": "sparseloco", "sparsity": 0.0,
         "optimizer_kwargs": {"sync_every": 8, "density": 0.01, "value_bits": 2}},
@@ -61,48 +59,48 @@ ROWS: dict[str, dict[str, Any]] = {
     "diloco-h32": {"optimizer": "diloco", "sparsity": 0.0, "optimizer_kwargs": {"sync_every": 32}},
     # the rows of docs/research.md's commands that need no research module
     "scape-0.9-embed0.5-ramp0.5x20@early": {
-        "optimizer": "scape", "sparsity": 0.9, "optimizer_kwargs": {"update": "early"},
+        "optimizer": "scape", "sparsity": 0.9, "optimizer_kwargs": {"update": "agree"},
         "group_sparsity": {"embed": 0.5}, "sparsity_ramp": (0.5, 20)},
     "scape-0.9-ramp0.5x100@early": {
-        "optimizer": "scape", "sparsity": 0.9, "optimizer_kwargs": {"update": "early"},
+        "optimizer": "scape", "sparsity": 0.9, "optimizer_kwargs": {"update": "agree"},
         "sparsity_ramp": (0.5, 100)},
     "scape-0.9-ramp0.5x20": {"optimizer": "scape", "sparsity": 0.9, "sparsity_ramp": (0.5, 20)},
     "scape-0.9-ramp0.5x20@early": {
-        "optimizer": "scape", "sparsity": 0.9, "optimizer_kwargs": {"update": "early"},
+        "optimizer": "scape", "sparsity": 0.9, "optimizer_kwargs": {"update": "agree"},
         "sparsity_ramp": (0.5, 20)},
     "scape-0.9107-embed0.5-ramp0.5x20@early": {
-        "optimizer": "scape", "sparsity": 0.9107, "optimizer_kwargs": {"update": "early"},
+        "optimizer": "scape", "sparsity": 0.9107, "optimizer_kwargs": {"update": "agree"},
         "group_sparsity": {"embed": 0.5}, "sparsity_ramp": (0.5, 20)},
     "scape-0.925-embed0.5-ramp0.5x20@early": {
-        "optimizer": "scape", "sparsity": 0.925, "optimizer_kwargs": {"update": "early"},
+        "optimizer": "scape", "sparsity": 0.925, "optimizer_kwargs": {"update": "agree"},
         "group_sparsity": {"embed": 0.5}, "sparsity_ramp": (0.5, 20)},
     "scape-0.99-embed0.9-head0.9": {
         "optimizer": "scape", "sparsity": 0.99, "group_sparsity": {"embed": 0.9, "head": 0.9}},
     "scape-0.99-embed0.97-head0.97": {
         "optimizer": "scape", "sparsity": 0.99, "group_sparsity": {"embed": 0.97, "head": 0.97}},
     "scape-0.99-embed0.98-ramp0.5x20@early": {
-        "optimizer": "scape", "sparsity": 0.99, "optimizer_kwargs": {"update": "early"},
+        "optimizer": "scape", "sparsity": 0.99, "optimizer_kwargs": {"update": "agree"},
         "group_sparsity": {"embed": 0.98}, "sparsity_ramp": (0.5, 20)},
     "scape-0.99-embed0.99-head0.99": {
         "optimizer": "scape", "sparsity": 0.99, "group_sparsity": {"embed": 0.99, "head": 0.99}},
     "scape-0.99-ramp0.5x10": {"optimizer": "scape", "sparsity": 0.99, "sparsity_ramp": (0.5, 10)},
     "scape-0.99-ramp0.5x10@early": {
-        "optimizer": "scape", "sparsity": 0.99, "optimizer_kwargs": {"update": "early"},
+        "optimizer": "scape", "sparsity": 0.99, "optimizer_kwargs": {"update": "agree"},
         "sparsity_ramp": (0.5, 10)},
     "scape-0.99-ramp0.5x12": {"optimizer": "scape", "sparsity": 0.99, "sparsity_ramp": (0.5, 12)},
     "scape-0.99-ramp0.5x20": {"optimizer": "scape", "sparsity": 0.99, "sparsity_ramp": (0.5, 20)},
     "scape-0.99-ramp0.5x20@early": {
-        "optimizer": "scape", "sparsity": 0.99, "optimizer_kwargs": {"update": "early"},
+        "optimizer": "scape", "sparsity": 0.99, "optimizer_kwargs": {"update": "agree"},
         "sparsity_ramp": (0.5, 20)},
     "scape-0.99-ramp0.5x89@early": {
-        "optimizer": "scape", "sparsity": 0.99, "optimizer_kwargs": {"update": "early"},
+        "optimizer": "scape", "sparsity": 0.99, "optimizer_kwargs": {"update": "agree"},
         "sparsity_ramp": (0.5, 89)},
     "scape-0.99-ramp0.9x80": {"optimizer": "scape", "sparsity": 0.99, "sparsity_ramp": (0.9, 80)},
     "scape-0.9906-embed0.98-ramp0.5x10@early": {
-        "optimizer": "scape", "sparsity": 0.9906, "optimizer_kwargs": {"update": "early"},
+        "optimizer": "scape", "sparsity": 0.9906, "optimizer_kwargs": {"update": "agree"},
         "group_sparsity": {"embed": 0.98}, "sparsity_ramp": (0.5, 10)},
     "scape-0.9906-embed0.98-ramp0.5x20@early": {
-        "optimizer": "scape", "sparsity": 0.9906, "optimizer_kwargs": {"update": "early"},
+        "optimizer": "scape", "sparsity": 0.9906, "optimizer_kwargs": {"update": "agree"},
         "group_sparsity": {"embed": 0.98}, "sparsity_ramp": (0.5, 20)},
     "topk-0.9958": {"optimizer": "topk", "sparsity": 0.9958},
 }

@@ -264,7 +264,8 @@ class RunConfig:
     def warmup_steps(self) -> int:
         """Dense optimizer steps at the start (SCAPE's and top-k's warm-up; 0 otherwise)."""
         if REGISTRY[self.optimizer].sparse:
-            return int(self.optimizer_kwargs.get("warmup_steps", 20))
+            default = 20 if self.optimizer == "topk" else 1  # top-k's and scape.SCAPE's
+            return int(self.optimizer_kwargs.get("warmup_steps", default))
         return 0
 
     @property

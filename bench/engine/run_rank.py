@@ -94,8 +94,10 @@ def build_rank(cfg: RunConfig, rank: int, world: int, device: torch.device,
     communicator-built optimizer only (not DDP, FSDP2, two levels or the floor)."""
     module = module.to(device)
     entry = OPTIMIZERS[cfg.optimizer]
-    spec = Spec(lr=cfg.lr, betas=cfg.betas, sparsity=cfg.sparsity,
-                kwargs=dict(cfg.optimizer_kwargs))
+    kwargs = dict(cfg.optimizer_kwargs)
+    if cfg.optimizer in ("scape", "compute_only"):  # sparse scape.SCAPE: its start, sized
+        kwargs.setdefault("total_steps", cfg.steps)  # to the run
+    spec = Spec(lr=cfg.lr, betas=cfg.betas, sparsity=cfg.sparsity, kwargs=kwargs)
     if comm is not None and (cfg.fsdp2 or cfg.two_level or entry.comm != "torch"):
         raise ValueError(f"build_rank: a given communicator takes an optimizer built on one "
                          f"(not {cfg.optimizer!r} with fsdp2={cfg.fsdp2}, "
@@ -268,8 +270,9 @@ def _train(cfg: RunConfig, rank: int, world: int) -> dict[str, Any]:
                 names = {e.get("name", "") for e in json.load(f).get("traceEvents", [])}
             phases = sorted(n for n in names if n.startswith(("scape/", "topk/")))
     settings: dict[str, Any] = {
-        k: getattr(opt, k) for k in ("update", "explore", "warmup_steps", "dense_every",
-                                     "error_feedback", "block_size")
+        k: getattr(opt, k) for k in ("update", "explore", "warmup_steps", "ramp_steps",
+                                     "total_steps", "dense_every", "error_feedback",
+                                     "block_size")
         if isinstance(getattr(opt, k, None), (str, int, float, bool))}
     if hasattr(opt, "finish_param_sync"):
         opt.finish_param_sync()

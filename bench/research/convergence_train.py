@@ -101,7 +101,9 @@ def run_config(variant: dict[str, Any], w: Workload, world: int) -> RunConfig:
     ramp = variant.get("ramp")
     return RunConfig(optimizer=kind, sparsity=sparsity, optimizer_kwargs=kw,
                      group_sparsity=variant.get("group_sparsity"),
-                     sparsity_ramp=(ramp[0], round(ramp[1] * w.steps)) if ramp else None,
+                     # without a ramp of its own, the start it was measured with: none
+                     sparsity_ramp=(ramp[0], round(ramp[1] * w.steps)) if ramp else
+                     (0.5, 0) if kind == "scape" else None,
                      hooks=hooks, attach=False,
                      model=w.model, world=world, steps=w.steps, batch=w.batch // world,
                      grad_accum=w.accum, seq=w.seq, data=w.data, lr=variant["lr"],

@@ -5,7 +5,7 @@ per matrix"); as it was measured, with one bucket per group (``early`` without `
 the embedding matrices are not set apart, :mod:`scape.embeddings`). Before each update it
 reads, for every sent coordinate, the wait ``a + 1``, the steps the agreement catch-up asks
 for (``(a + 1) * erf(...)``, :func:`scape.rules.catchup_agree`) and its bound (``max(sqrt(a +
-1), c * rms_b / lr)``, ``c`` from :func:`scape.rules.early_trust`), and sums per block of the
+1), c * rms_b / lr)``, ``c`` from :func:`scape.rules.trust_bound`), and sums per block of the
 shard: coordinates sent, waits, steps asked, steps taken, sends the bound cut. Every
 :data:`WINDOW` sparse steps the sums are written to ``$SCAPE_PROBE_DIR/rank<r>_b<bucket>.jsonl``
 (one line per window) and restarted. The update itself is ``early``'s, so a run with the
@@ -57,7 +57,7 @@ def _stats(shard: ShardState, g: torch.Tensor, idx: torch.Tensor, block_size: in
     m_sel = shard.m.index_select(0, flat)
     _, sigma2, mu2 = arrived_mean(shard, flat, m_sel, g.float() / a1, a1, hp)
     asked = torch.maximum(a1 * sign_agreement(sigma2, mu2, hp["beta1"]), torch.ones_like(a1))
-    trust = rules.early_trust(idx.shape[-1], block_size)
+    trust = rules.trust_bound(idx.shape[-1], block_size)
     bound = torch.maximum(a1.sqrt(), trust_reach(shard.master, block_size, idx.shape[1],
                                                  trust, hp["lr"]))
     taken = torch.minimum(asked, bound)
@@ -82,7 +82,7 @@ def probe_update(shard: ShardState, g: torch.Tensor, idx: torch.Tensor, block_si
         if st["n"] % WINDOW == 0:
             _write(st["key"], acc, st["n"], shard.master.numel())
             acc.zero_()
-    RULES["early"].update(shard, g, idx, block_size, hp, model_out)
+    RULES["agree"].update(shard, g, idx, block_size, hp, model_out)
 
 
 def _rank() -> int:
@@ -99,7 +99,7 @@ def _write(key: str, acc: torch.Tensor, n: int, numel: int) -> None:
                             **{k: acc[i].tolist() for i, k in enumerate(FIELDS)}}) + "\n")
 
 
-PROBE: Rule = dataclasses.replace(RULES["early"], update=probe_update, embeddings_apart=False)
+PROBE: Rule = dataclasses.replace(RULES["agree"], update=probe_update, embeddings_apart=False)
 """``early`` with the probe's update (its fused pass before the take kept)."""
 
 

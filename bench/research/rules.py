@@ -55,6 +55,7 @@ from scape.rules import (
     catchup_snr,
     catchup_sqrt,
     gain_score,
+    gain_score_residual,
     gain_select,
     gain_selected,
     lazy,
@@ -62,9 +63,36 @@ from scape.rules import (
     move_selected,
     noise_sized,
     observe_local_moments,
+    observe_select_gain,
+    reads_wait,
     sign_agreement,
     trust_reach,
 )
+
+
+def gain_score_auto(shard: ShardState, hp: dict) -> torch.Tensor:
+    """The score of ``auto`` and ``robust``: :func:`scape.rules.gain_score_residual` if
+    :func:`scape.rules.reads_wait` for the mask's budget (``hp["k"]`` of
+    ``hp["block_size"]``), else :func:`scape.rules.gain_score`."""
+    wait = reads_wait(hp["k"], hp["block_size"])
+    return (gain_score_residual if wait else gain_score)(shard, hp)
+
+
+def gain_select_auto(shard: ShardState, hp: dict, k: int, k_explore: int,
+                     block_size: int) -> torch.Tensor:  # the top-k of gain_score_auto, fused
+    return gain_select(shard, hp, k, k_explore, block_size, residual=reads_wait(k, block_size))
+
+
+def auto_rule(trust: float) -> Rule:
+    """``auto`` (``trust=0.5``, the library's default until the third workload) and ``robust``
+    (0.25): masks by gain, with the summed wait up to sparsity 0.974, the agreement catch-up
+    bounded at ``trust`` of the block's RMS, the owner's EMAs at 0.95 throughout."""
+    return gain_selected(functools.partial(catchup_agree, trust=trust), gain_score_auto,
+                         select=gain_select_auto, observe_select=observe_select_gain)
+
+
+AUTO = auto_rule(0.5)
+"""``auto``: the default rule before ``agree`` (20 dense steps, no ramp, as measured)."""
 
 TRUST_LR = (0.5, 0.25)
 """``catchup_agree_trustlr``: the bound ``c`` at the peak lr and as the lr goes to 0."""
@@ -167,10 +195,10 @@ def early_decay_update(shard: ShardState, g: torch.Tensor, idx: torch.Tensor, bl
                        hp: dict, model_out: torch.Tensor) -> None:
     """``early``'s catch-up with its bound widened as the lr falls from its peak: ``c =
     min(TRUST_DECAY_CAP, c_early * lr_peak / lr)`` (``c_early`` of :data:`scape.rules.
-    EARLY_TRUST`; the shard's :attr:`~scape.rules.ShardState.lr_peak`, set before the update
+    TRUST`; the shard's :attr:`~scape.rules.ShardState.lr_peak`, set before the update
     and checkpointed). At the peak, and at any flat lr, it is ``early``; as the cosine falls
     the bound in steps, ``c * rms_b / lr``, grows as ``1 / lr^2`` instead of ``1 / lr``."""
-    base = rules.early_trust(idx.shape[-1], block_size)
+    base = rules.trust_bound(idx.shape[-1], block_size)
     lr, peak = hp["lr"], shard.lr_peak
     trust = min(max(base, TRUST_DECAY_CAP), base * peak / lr) if 0.0 < lr < peak else base
     catchup_agree(shard, g, idx, block_size, hp, model_out, trust=trust)
@@ -198,7 +226,7 @@ def lead_update(shard: ShardState, g: torch.Tensor, idx: torch.Tensor, block_siz
     offset = shard.extra["lead"]
     a1 = shard.age.index_select(0, flat).float().add_(1.0)
     shard.master.index_add_(0, flat, offset.index_select(0, flat), alpha=-1.0)
-    trust = rules.early_trust(idx.shape[-1], block_size)
+    trust = rules.trust_bound(idx.shape[-1], block_size)
     catchup_agree(shard, g, idx, block_size, hp, model_out, trust=trust)
     if lead == 0.0 or hp["lr"] <= 0.0:
         offset.index_fill_(0, flat, 0.0)
@@ -218,7 +246,7 @@ def lead_update(shard: ShardState, g: torch.Tensor, idx: torch.Tensor, block_siz
 def early_lead_rule(lead: float = LEAD) -> Rule:
     """``early`` with :func:`lead_update` (its three passes before the take unfused: the
     update reads the ages before they advance)."""
-    return dataclasses.replace(RULES["early"], update=functools.partial(lead_update, lead=lead),
+    return dataclasses.replace(RULES["agree"], update=functools.partial(lead_update, lead=lead),
                                observe_select=None, extra=GAIN_STATE + ("lead",),
                                embeddings_apart=False)
 
@@ -249,7 +277,7 @@ def steady_update(shard: ShardState, g: torch.Tensor, idx: torch.Tensor, block_s
     frac = sign_agreement(sigma2, mu2, hp["beta1"])
     steps = torch.maximum(a1 * frac, a1.pow(0.0))
     if hp["lr"] > 0.0:
-        trust = rules.early_trust(idx.shape[-1], block_size)
+        trust = rules.trust_bound(idx.shape[-1], block_size)
         reach = trust_reach(shard.master, block_size, idx.shape[1], trust, hp["lr"])
         if floor < 1.0 and not (after_rise and shard.lr_rose):
             reach = reach / (1.0 - frac).clamp_(min=floor)
@@ -261,11 +289,14 @@ def early_steady_rule(floor: float = STEADY_FLOOR, after_rise: bool = False) -> 
     """``early`` with :func:`steady_update` (its passes before the take unfused: the update
     reads the ages before they advance)."""
     update = functools.partial(steady_update, floor=floor, after_rise=after_rise)
-    return dataclasses.replace(RULES["early"], update=update, observe_select=None,
+    return dataclasses.replace(RULES["agree"], update=update, observe_select=None,
                                embeddings_apart=False)
 
 
 RESEARCH_RULES: dict[str, Rule] = {
+    "auto": AUTO,
+    "robust": auto_rule(0.25),
+    "early": RULES["agree"],  # the default's name while it was research
     "lazy_accum": Rule(lazy, accumulated_score),
     "catchup_mean": Rule(catchup_mean),
     "catchup_accum": Rule(catchup_mean, accumulated_score),
@@ -300,7 +331,7 @@ RESEARCH_RULES: dict[str, Rule] = {
     "catchup_agree_trust26_gain_b98w": BetaAfterLrWarmup(0.5, 0.98, trust_dense=1 / 6).rule(),
     "catchup_agree_trust28_gain_b98w": BetaAfterLrWarmup(0.5, 0.98, trust_dense=0.125).rule(),
     "catchup_agree_trust2cap_gain_b98w": BetaAfterLrWarmup(0.5, 0.98, trust_dense=0.0).rule(),
-    "early_decay": dataclasses.replace(RULES["early"], update=early_decay_update,
+    "early_decay": dataclasses.replace(RULES["agree"], update=early_decay_update,
                                        embeddings_apart=False),
     "early_lead": early_lead_rule(),
     "early_steady": early_steady_rule(),
@@ -310,7 +341,7 @@ RESEARCH_RULES: dict[str, Rule] = {
     "early_lead0": early_lead_rule(0.0),  # early through the same unfused path: the check
     # the default with its pass before the take split into the three ops (observe, then the
     # catch-up's own ages, then select): the same steps bit for bit, the check of the fusion
-    "auto_three_passes": dataclasses.replace(RULES["auto"], observe_select=None),
+    "auto_three_passes": dataclasses.replace(AUTO, observe_select=None),
     "catchup_agree_trust4_gainr": gain_selected(functools.partial(catchup_agree,
                                                                   trust=0.25)),
 }

@@ -12,6 +12,9 @@ from typing import Any
 from bench.engine import rows
 
 ROWS: dict[str, dict[str, Any]] = {
+    "scape-0.99@robust": {
+        "optimizer": "scape", "sparsity": 0.99,
+        "optimizer_kwargs": {"update": "robust", "warmup_steps": 20}},
     "scape-0.9-ramp0.5x100@catchup_agree_trust2_gain_b98w": {
         "optimizer": "scape", "sparsity": 0.9,
         "optimizer_kwargs": {"update": "catchup_agree_trust2_gain_b98w"},

@@ -4,18 +4,14 @@ which statistic picks the next mask.
 A rule is a :class:`Rule`. ``update=`` of :class:`scape.SCAPE` names one in :data:`RULES`:
 
 ==========  ===========================================================================
-``auto``    the default: masks by each coordinate's gain (:func:`gain_score`, with the wait
-            up to sparsity 0.974: :func:`reads_wait`), the agreement catch-up bounded at
-            half its block's RMS (16 B/coordinate)
-``robust``  the same masks, the catch-up bounded at a quarter of the block's RMS: for an
-            lr above the one tuned for dense AdamS (docs/research.md, entry 20)
-``early``   masks by the fresh gain at every sparsity, the owner's EMAs at 0.95 while the
-            lr rises and 0.98 after (:attr:`ShardState.lr_rose`), the catch-up bounded at
-            1/8 of the block's RMS up to sparsity 0.974 and 1/2 above: short runs, with
-            one dense step and a sparsity ramp (16 B/coordinate)
+``agree``   the default: each block sends the coordinates whose update is expected to lower
+            the loss most (the owner's own gradient statistics, :func:`gain_score`); a
+            sent coordinate moves for the steps it waited as far as the ranks' gradients
+            agreed in sign, at most :data:`TRUST` of its block's RMS (16 B/coordinate)
 ``sqrt``    masks by accumulated mass ``|m| (age + 1)``, a sent coordinate moves
             ``sqrt(age + 1)`` steps (:func:`catchup_sqrt`): no extra state, less compute
-``lazy``    the baseline (DESIGN §1): a sent coordinate takes one AdamS step, the rest wait
+``lazy``    the paper's baseline (DESIGN §1): a sent coordinate takes one AdamS step, the
+            rest wait
 ==========  ===========================================================================
 
 Other rules plug in with :func:`register` (``bench/research/rules.py`` registers its own).
@@ -34,8 +30,9 @@ Every name below is importable from ``scape.rules``; each lives in the module na
                                    :func:`gain_select`, ...)
 :mod:`scape.rules.catchups`        the catch-ups (``update`` functions) and the pieces they
                                    are built of (:func:`catchup_agree`, :func:`arrived_mean`, ...)
-:mod:`scape.rules.builtin`         the built-in rules, their constants (:data:`EARLY_TRUST`,
-                                   ...) and constructors (:func:`gain_selected`, ...)
+:mod:`scape.rules.builtin`         the built-in rules, the default's constants
+                                   (:data:`CONSTANTS`, :data:`TRUST`, ...) and constructors
+                                   (:func:`gain_selected`, ...)
 =================================  ===========================================================
 
 ``update(shard, g, idx, block_size, hp, model_out)``:
@@ -68,15 +65,14 @@ runs after a skipped step, whose residuals were cleared.
 
 from scape.rules.budget import block_budget, reads_wait, round_half_up
 from scape.rules.builtin import (
-    EARLY_BETA,
-    EARLY_TRUST,
+    CONSTANTS,
     GAIN_SCORES,
-    early_trust,
-    gain_score_auto,
-    gain_select_auto,
+    STEADY_BETA,
+    TRUST,
     gain_selected,
     noise_sized,
     observe_select_gain,
+    trust_bound,
 )
 from scape.rules.catchups import (
     arrived_mean,
@@ -123,6 +119,6 @@ __all__ = [
     "lazy", "catchup_mean", "catchup_sqrt", "catchup_snr", "catchup_agree", "mask_positions",
     "move_selected", "arrived_mean", "sign_agreement", "trust_reach",
     # the built-in rules' pieces and constants
-    "GAIN_SCORES", "gain_score_auto", "gain_select_auto", "observe_select_gain", "noise_sized",
-    "gain_selected", "EARLY_BETA", "EARLY_TRUST", "early_trust",
+    "GAIN_SCORES", "observe_select_gain", "noise_sized", "gain_selected", "CONSTANTS",
+    "STEADY_BETA", "TRUST", "trust_bound",
 ]

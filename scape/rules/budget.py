@@ -21,9 +21,11 @@ def block_budget(sparsity: float, block_size: int, explore: float) -> tuple[int,
 
 
 def reads_wait(k: int, block_size: int) -> bool:
-    """Whether the masks of ``auto`` and ``robust`` read the wait (:func:`gain_score_residual`,
-    else :func:`gain_score`): when a mask takes at least ``(1 - beta) / (1 + beta)`` = 1/39 of
-    each block (sparsity up to 0.974), so the mean wait, ``block_size / k`` steps, is within the
-    EMA's 39; a longer wait outweighs the fresh mean (docs/research.md, entry 21)."""
+    """Whether a mask of ``k`` per block is dense enough for the short wait (``agree``'s
+    smaller bound, :data:`scape.rules.TRUST`; the research's masks that read the wait,
+    :func:`gain_score_residual`, else :func:`gain_score`): when a mask takes at least
+    ``(1 - beta) / (1 + beta)`` = 1/39 of each block (sparsity up to 0.974), so the mean
+    wait, ``block_size / k`` steps, is within the EMA's 39; a longer wait outweighs the fresh
+    mean (docs/research.md, entry 21)."""
     return k * (1.0 + NOISE_BETA) >= (1.0 - NOISE_BETA) * block_size
 

@@ -9,7 +9,7 @@ from scape.rules.builtin import BUILTIN_RULES
 from scape.rules.rule import Rule
 
 RULES: dict[str, Rule] = dict(BUILTIN_RULES)
-"""The rules ``update=`` accepts by name: the five built in (:mod:`scape.rules`), and more by
+"""The rules ``update=`` accepts by name: the three built in (:mod:`scape.rules`), and more by
 :func:`register`."""
 
 BUILTIN = tuple(RULES)

@@ -47,7 +47,7 @@ class ShardState:
 
 
 
-def lr_counters(shards: list[ShardState], groups: list[int]) -> dict[str, dict[int, Any]]:
+def lr_counters(shards: list[ShardState], groups: list[int]) -> dict[str, dict[str, Any]]:
     """:attr:`ShardState.lr_peak` and :attr:`~ShardState.lr_rose` per param group (the
     shards of a group see the same lrs; ``groups[i]`` is shard ``i``'s), for checkpoints.
     Keyed by the group's index as a string: DCP stores a dict's keys as strings, and an int
