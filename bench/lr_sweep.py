@@ -32,8 +32,8 @@ reference; ``scape-0.9``, ``scape-0.99``, ``topk-0.99`` (raw-gradient top-k,
 :mod:`bench.engine.topk_baseline`), ``scape-0.99@robust``, ...; the research's rows under
 ``python -m bench.research bench.lr_sweep``), or a row as JSON, inline or in a
 ``.json``/``.toml`` file: ``'{"name": "scape-0.95-ramp", "optimizer": "scape", "sparsity":
-0.95, "optimizer_kwargs": {"update": "early"}, "group_sparsity": {"embed": 0.5},
-"sparsity_ramp": [0.5, 20]}'`` trains SCAPE at 0.95 with ``update="early"``, the embedding
+0.95, "optimizer_kwargs": {"update": "agree"}, "group_sparsity": {"embed": 0.5},
+"sparsity_ramp": [0.5, 20]}'`` trains SCAPE at 0.95 with ``update="agree"``, the embedding
 matrices in a param group of their own at 0.5 (every group still decayed) and the sparsity
 ramped from 0.5 over the first 20 sparse steps (:class:`scape.SparsityRamp`). The
 JSON (schema ``scape.lr_sweep/1``) is rewritten after every run; ``--resume`` keeps the runs of

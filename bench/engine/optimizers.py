@@ -3,7 +3,7 @@
 Every entry point that builds an optimizer (:mod:`bench.engine.runner`, :mod:`bench.compare`,
 :mod:`bench.step_compute`, and the research's jobs) goes through :func:`build`::
 
-    opt = build("scape", groups, Spec(lr=3e-3, sparsity=0.99, kwargs={"update": "auto"}), comm)
+    opt = build("scape", groups, Spec(lr=3e-3, sparsity=0.99, kwargs={"update": "agree"}), comm)
 
 A factory is ``(groups, spec, comm) -> optimizer``: ``groups`` are torch param groups (or a
 list of parameters), ``spec`` the :class:`Spec` (lr, betas, sparsity and the optimizer's own

@@ -74,7 +74,7 @@ class RunConfig:
     returns the param groups the optimizer is built over (in place of ``groups``). {}: none."""
     attach: bool = True
     """Give the optimizer the model (``opt.attach(model)``, where it has ``attach``): the
-    parameter all-gather completes at the next forward, and ``update="early"`` sets the
+    parameter all-gather completes at the next forward, and ``update="agree"`` sets the
     embedding matrices apart. False: ``step()`` completes it before it returns, and no
     embeddings are set apart (the convergence ablation's rows)."""
     model: str = "small"
