@@ -140,7 +140,9 @@ def main() -> None:
                        "losses": losses, "first_loss": losses[0], "last_loss": losses[-1],
                        "group_numels": [sum(p.numel() for p in g)
                                         for g in (model.replicated, model.sharded)],
-                       "bucket_n_pad": [b.n_pad for b in opt.buckets], "sparse_step": sparse,
+                       "bucket_n_pad": [b.n_pad for b in opt.buckets],
+                       "bucket_group": [b.group for b in opt.buckets],
+                       "bucket_apart": [b.apart for b in opt.buckets], "sparse_step": sparse,
                        "ranks": ranks}, f, indent=1)
     dist.destroy_process_group()
 
