@@ -96,6 +96,7 @@ class SCAPE(ShardedOptimizer):
         self.dense_every = dense_every
         self.total_steps = total_steps
         self._ramp_steps: int | None = None  # sized at the first mask (after attach)
+        self._ramp_fixed = False  # set by the ramp_steps setter: kept through a new layout
         self.update = update
         self.rule = rules.RULES.get(update) if isinstance(update, str) else None
         """The rule in force (:mod:`scape.rules`); it may be swapped for another with the same
@@ -113,7 +114,7 @@ class SCAPE(ShardedOptimizer):
 
     def _build_layout(self, apart: frozenset[int]) -> None:
         super()._build_layout(apart)
-        if not getattr(self, "_ramp_fixed", False):
+        if not self._ramp_fixed:
             self._ramp_steps = None  # the budgets changed: sized again at the first mask
         self._share = [embeddings.share_of_blocks(self.buckets, gi)
                        for gi in range(len(self.param_groups))]

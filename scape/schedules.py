@@ -81,7 +81,8 @@ def mean_ramp_density(start: float, end: float) -> float:
 
 
 def _check_opt(opt: Any, counts_bytes: bool = True) -> None:
-    if not all(hasattr(opt, a) for a in ("masks", "mask_budget", "is_dense_step", "ramp_steps")):
+    # methods only: reading ``ramp_steps`` here would size the optimizer's ramp as a side effect
+    if not all(hasattr(opt, a) for a in ("masks", "mask_budget", "is_dense_step", "sparsity_at")):
         raise TypeError(f"expected a scape.SCAPE optimizer, got {type(opt).__name__}")
     from scape.two_level import NodeLevel
     if counts_bytes and isinstance(opt.level, NodeLevel):

@@ -105,7 +105,7 @@ def test_rule_fields_are_validated(fields, err, words):
 
 
 def test_unknown_rule_names_the_known_ones():
-    with pytest.raises(ValueError, match="Invalid update rule: 'adam'.*'auto'"):
+    with pytest.raises(ValueError, match="Invalid update rule: 'adam'.*'agree'"):
         scape.SCAPE([torch.nn.Parameter(torch.zeros(4))], lr=1e-3, update="adam")
 
 
