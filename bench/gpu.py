@@ -19,8 +19,8 @@ timed steps after the run (:func:`_timed`) are this job's own measurement, on th
 optimizer the loop trained.
 
 **Recipe** (the README's for a newcomer): ``lr=3e-4``, weight decay 0.1 on one param group,
-``max_grad_norm=1.0``, ``opt.attach(model)``, the library's defaults otherwise (rule ``auto``,
-20 dense warm-up steps, block 4096); the benchmarks' schedule (linear warm-up over 5% of the
+``max_grad_norm=1.0``, ``opt.attach(model)``, the library's defaults otherwise (rule ``agree``,
+one dense warm-up step, the start ramp sized by ``total_steps``, block 4096); the benchmarks' schedule (linear warm-up over 5% of the
 steps, cosine to 10%); bf16 autocast on a GPU. Every optimizer sees the same data, steps and
 schedule.
 
