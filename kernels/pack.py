@@ -27,13 +27,31 @@ are combined in registers; it reads ``n * v`` bytes of values (``v`` their eleme
 program per ``TILE`` values; it reads the packed bytes and scales and writes ``4 * n``.
 Divisions are correctly rounded (``div_rn``) so both paths agree with the torch reference
 bit for bit.
+
+:func:`take_pack8_` is the sparse step's 8-bit gradient wire in one pass: it takes the mask's
+entries out of a residual buffer (as :func:`scape.kernels.take_`), codes each mask row of ``k``
+values with the row's absmax as its scale (8 bits, the codebook above, one code per byte),
+and writes what the code does not carry back into the buffer (error feedback): after it,
+``buffer + decoded == before`` at every mask entry, up to one fp32 rounding of the
+difference. ``_take_pack8_kernel`` has one program per mask row (``K_TILE`` =
+``next_power_of_2(k)``); it reads ``2 + 4`` bytes per entry (offset, value) and writes
+``1 + 4`` (code, residual), plus 4 bytes of scale per row.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ._checks import FLOAT_DTYPES, check_numel, check_same_device, check_tensor, use_triton
+from ._checks import (
+    FLOAT_DTYPES,
+    check_block_size,
+    check_blocked,
+    check_idx,
+    check_numel,
+    check_same_device,
+    check_tensor,
+    use_triton,
+)
 from ._triton import tl, triton
 
 PACK_BITS = (2, 4, 8)
@@ -77,6 +95,44 @@ def _unpack_kernel(p_packed, p_scales, p_out, n, group, BITS: tl.constexpr,
     b_s = tl.load(p_scales + pos // group, mask=m_pos, other=0.0).to(tl.float32)
     level = (2 * q - LEVELS).to(tl.float32)
     tl.store(p_out + pos, tl.div_rn(b_s * level, LEVELS * 1.0), mask=m_pos)
+
+
+@triton.jit
+def _take_pack8_kernel(p_src, p_idx, p_codes, p_scales, k, BLOCK_SIZE: tl.constexpr,
+                       K_TILE: tl.constexpr):
+    LEVELS: tl.constexpr = 255
+    b = tl.program_id(0).to(tl.int64)
+    j = tl.arange(0, K_TILE)
+    m_j = j < k
+    compact = b * k + j
+    flat = b * BLOCK_SIZE + tl.load(p_idx + compact, mask=m_j, other=0).to(tl.int64)
+    b_x = tl.load(p_src + flat, mask=m_j, other=0.0).to(tl.float32)
+    s = tl.max(tl.where(m_j, tl.abs(b_x), 0.0), axis=0)
+    safe_s = tl.where(s == 0.0, 1.0, s)
+    t = tl.where(s == 0.0, 0.0, tl.div_rn(b_x, safe_s))
+    u = tl.floor((t + 1.0) * (0.5 * LEVELS) + 0.5)
+    m_num = u == u  # NaN -> code 0, as _pack_kernel
+    u = tl.minimum(tl.maximum(u, 0.0), LEVELS * 1.0)
+    q = tl.where(m_num, u, 0.0).to(tl.int32)
+    decoded = tl.div_rn(s * (2 * q - LEVELS).to(tl.float32), LEVELS * 1.0)
+    tl.store(p_codes + compact, q.to(tl.uint8), mask=m_j)
+    tl.store(p_src + flat, b_x - decoded, mask=m_j)
+    tl.store(p_scales + b, s)
+
+
+def take_pack8_config(k: int) -> dict[str, int]:
+    """Launch settings of :func:`_take_pack8_kernel`: the whole mask row in one program."""
+    k_tile = triton.next_power_of_2(k)
+    return {"K_TILE": k_tile, "num_warps": max(1, min(8, k_tile // 256))}
+
+
+def take_pack8_triton(src: torch.Tensor, idx: torch.Tensor, block_size: int,
+                      codes: torch.Tensor, scales: torch.Tensor) -> None:
+    """Launch :func:`_take_pack8_kernel` (arguments already validated)."""
+    n_blocks, k = idx.shape
+    cfg = take_pack8_config(k)
+    _take_pack8_kernel[(n_blocks,)](src, idx, codes, scales, k, BLOCK_SIZE=block_size,
+                                    K_TILE=cfg["K_TILE"], num_warps=cfg["num_warps"])
 
 
 def pack_config(bits: int) -> dict[str, int]:
@@ -144,6 +200,21 @@ def unpack_ref(packed: torch.Tensor, scales: torch.Tensor, group: int, bits: int
         return vals
     out.copy_(vals)
     return out
+
+
+def take_pack8_ref(src: torch.Tensor, idx: torch.Tensor, block_size: int,
+                   codes: torch.Tensor, scales: torch.Tensor) -> None:
+    """Torch implementation of :func:`take_pack8_` (the CPU path and the ground truth)."""
+    n_blocks, k = idx.shape
+    flat = (torch.arange(n_blocks, device=idx.device, dtype=torch.int64).view(-1, 1)
+            * block_size + idx.to(torch.int64)).view(-1)
+    x = src.index_select(0, flat).view(n_blocks, k)
+    s = x.abs().amax(dim=1)
+    scales.copy_(s)
+    packed = pack_ref(x.reshape(-1), s, k, 8)
+    codes.copy_(packed)
+    decoded = unpack_ref(packed, s, k, 8, n_blocks * k)
+    src.index_copy_(0, flat, x.reshape(-1) - decoded)
 
 
 # --------------------------------------------------------------------------- public API
@@ -222,3 +293,39 @@ def unpack_values(packed: torch.Tensor, scales: torch.Tensor, group: int, bits: 
             out = torch.empty(n, dtype=torch.float32, device=packed.device)
         return unpack_triton(packed, scales, group, bits, out)
     return unpack_ref(packed, scales, group, bits, n, out)
+
+
+def take_pack8_(src: torch.Tensor, idx: torch.Tensor, block_size: int, *,
+                codes: torch.Tensor | None = None, scales: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The mask's entries of ``src`` as 8-bit codes with one fp32 scale per mask row, the
+    coding error left in ``src`` (error feedback).
+
+    ``src``: fp32, 1-D, ``n_blocks * block_size`` long (a residual buffer); ``idx``: int16
+    ``[n_blocks, k]`` offsets into each block (distinct within a row). For row ``b`` with
+    values ``x = src[b * block_size + idx[b]]``: ``scales[b] = max |x|``; ``codes[b * k + j]``
+    is ``x[j]``'s 8-bit code (:func:`pack_values` with ``bits=8, group=k``: decodes to
+    ``scales[b] * (2 q - 255) / 255``, within ``scales[b] / 255`` of ``x[j]``); then
+    ``src[...] = x - decoded``. Returns ``(codes, scales)``: uint8 of ``n_blocks * k``, fp32 of
+    ``n_blocks`` (written into ``codes``/``scales`` when given). Inputs are expected finite;
+    a NaN codes to 0 as in :func:`pack_values`.
+    """
+    check_tensor("src", src, dtypes=(torch.float32,), ndim=1)
+    block_size = check_block_size(block_size)
+    n_blocks = check_blocked("src", src, block_size)
+    _, k = check_idx(idx, n_blocks, block_size)
+    check_same_device(src=src, idx=idx)
+    if codes is None:
+        codes = torch.empty(n_blocks * k, dtype=torch.uint8, device=src.device)
+    if scales is None:
+        scales = torch.empty(n_blocks, dtype=torch.float32, device=src.device)
+    check_tensor("codes", codes, dtypes=(torch.uint8,), ndim=1)
+    check_numel("codes", codes, n_blocks * k, "one per mask entry")
+    check_tensor("scales", scales, dtypes=(torch.float32,), ndim=1)
+    check_numel("scales", scales, n_blocks, "one per mask row")
+    check_same_device(src=src, codes=codes, scales=scales)
+    if use_triton(src):
+        take_pack8_triton(src, idx, block_size, codes, scales)
+    else:
+        take_pack8_ref(src, idx, block_size, codes, scales)
+    return codes, scales

@@ -53,6 +53,13 @@ def _specs(dt: str) -> list[tuple[str, object, dict, dict, int]]:
          {"p_dst": f"*{dt}", "p_idx": "*i16", "p_values": f"*{dt}", **common}, kc,
          scfg["num_warps"]),
     ]
+    from scape.kernels import pack
+    for k in (41, 410, 2048):  # block 4096 at sparsity 0.99, 0.9, 0.5
+        pcfg = pack.take_pack8_config(k)
+        specs.append((f"take_pack8_ k={k}", pack._take_pack8_kernel,
+                      {"p_src": "*fp32", "p_idx": "*i16", "p_codes": "*u8", "p_scales": "*fp32",
+                       **common}, {"BLOCK_SIZE": 4096, "K_TILE": pcfg["K_TILE"]},
+                      pcfg["num_warps"]))
     f32s = {n: "fp32" for n in ("lr", "beta1", "beta2", "eps")}
     dense = {"TILE": moments.DENSE_TILE, "HAS_OUT": True}
     sparse_sig = {"p_p": "*fp32", "p_m": "*fp32", "p_age": "*i32", "p_g": f"*{dt}",

@@ -1,0 +1,91 @@
+"""take_pack8_: the 8-bit gradient wire's fused take, code and error feedback. The Triton
+kernel (through the interpreter on CPU) against the torch twin bit for bit; the invariants
+(buffer + decoded == before at the mask, untouched elsewhere, error within scale / 255, codes
+those of pack_values); zero rows; validation. sm_80/sm_90 compilation and spills:
+tests/test_compile.py."""
+
+from __future__ import annotations
+
+import zlib
+
+import pytest
+import torch
+
+from scape import kernels
+from scape.kernels import pack
+
+
+def _gen(*key) -> torch.Generator:
+    return torch.Generator().manual_seed(zlib.crc32("-".join(map(str, key)).encode()))
+
+
+def _case(n_blocks: int, block: int, k: int, *key) -> tuple[torch.Tensor, torch.Tensor]:
+    """A residual buffer whose blocks span magnitudes 1e-4 .. 1e1, and a random mask of k
+    distinct offsets per block."""
+    g = _gen(n_blocks, block, k, *key)
+    mag = torch.logspace(-4, 1, n_blocks).repeat_interleave(block)
+    src = torch.randn(n_blocks * block, generator=g) * mag
+    idx = torch.stack([torch.randperm(block, generator=g)[:k] for _ in range(n_blocks)])
+    return src, idx.to(torch.int16)
+
+
+CASES = [pytest.param(1, 256, 1, id="k1"), pytest.param(3, 256, 3, id="k3"),
+         pytest.param(5, 4096, 41, id="k41-0.99"), pytest.param(2, 4096, 410, id="k410-0.9"),
+         pytest.param(2, 1024, 1000, id="k1000-odd")]
+
+
+@pytest.mark.parametrize("n_blocks,block,k", CASES)
+def test_triton_matches_torch_and_keeps_every_gradient(n_blocks, block, k, kernel_backend):
+    src, idx = _case(n_blocks, block, k)
+    out = {}
+    for name in ("triton", "torch"):
+        kernel_backend(name)
+        buf = src.clone()
+        codes = torch.full((n_blocks * k,), 7, dtype=torch.uint8)
+        scales = torch.full((n_blocks,), float("nan"))
+        kernels.take_pack8_(buf, idx, block, codes=codes, scales=scales)
+        out[name] = (buf, codes, scales)
+    for a, b in zip(out["triton"], out["torch"]):
+        assert torch.equal(a, b), "triton and torch differ"
+    buf, codes, scales = out["torch"]
+    flat = (torch.arange(n_blocks).view(-1, 1) * block + idx.long()).view(-1)
+    x = src[flat]
+    torch.testing.assert_close(scales, x.view(n_blocks, k).abs().amax(1), rtol=0, atol=0)
+    decoded = kernels.unpack_values(codes, scales, k, 8, n_blocks * k)
+    assert torch.equal(codes, kernels.pack_values(x, scales, k, 8))
+    # error feedback: what stays in the buffer plus what the codes deliver is the gradient
+    # (two fp32 roundings: of x - decoded, then of the sum; each within half an ulp of
+    # max(|x|, |decoded|), and |decoded| <= |x| + scale / 255)
+    bound = scales.repeat_interleave(k) / 255 * (1 + 1e-6)
+    gap = (buf[flat] + decoded - x).abs()
+    assert (gap <= 2 ** -23 * (x.abs() + bound)).all(), gap.max()
+    assert (buf[flat].abs() <= bound).all(), "coding error above scale / 255"
+    rest = torch.ones_like(src, dtype=torch.bool)
+    rest[flat] = False
+    assert torch.equal(buf[rest], src[rest]), "entries outside the mask changed"
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_zero_rows_code_to_zero_error(backend, kernel_backend):
+    kernel_backend(backend)
+    src, idx = _case(3, 256, 5, "zero")
+    src[:256] = 0.0  # a block of zeros: scale 0, decoded 0, nothing left behind
+    buf = src.clone()
+    codes, scales = kernels.take_pack8_(buf, idx, 256)
+    assert scales[0] == 0 and scales[1:].gt(0).all()
+    assert buf[:256].eq(0).all()
+    decoded = kernels.unpack_values(codes, scales, 5, 8, 15)
+    assert decoded[:5].eq(0).all()
+
+
+def test_validation_messages():
+    src, idx = _case(2, 256, 4, "val")
+    with pytest.raises(TypeError, match="src must have dtype torch.float32"):
+        kernels.take_pack8_(src.bfloat16(), idx, 256)
+    with pytest.raises(ValueError, match="one row per block"):
+        kernels.take_pack8_(src, idx[:1], 256)
+    with pytest.raises(ValueError, match="codes"):
+        kernels.take_pack8_(src, idx, 256, codes=torch.empty(7, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="scales"):
+        kernels.take_pack8_(src, idx, 256, scales=torch.empty(3))
+    assert pack.take_pack8_config(41)["K_TILE"] == 64
