@@ -7,6 +7,8 @@ A communicator moves flat, contiguous tensors between the ``world_size`` ranks o
     reduce_scatter(out, inp, op)    out = op over ranks of inp[r*m:(r+1)*m] (m = out.numel())
     all_reduce(t, op)               t = op over ranks of t                  (in place)
     broadcast(t, src)               t = t of rank src                       (in place)
+    all_to_all(out, inp)            out[r*m:(r+1)*m] = inp[rank*m:(rank+1)*m] of rank r
+                                                                  (m = inp.numel() // world_size)
 
 Every collective returns a ``Work`` at once; nothing blocks until ``Work.wait()``. Several
 collectives may be in flight and may be waited in any order. The result tensors must not be
@@ -15,8 +17,8 @@ a sum by the world size for ``op="avg"``), and the caller must not write the inp
 
 Byte accounting (``stats``): each collective adds one call and its payload to its op's counter.
 The payload is ``out.nbytes`` for all_gather (what every rank holds afterwards),
-``inp.nbytes`` for reduce_scatter (what every rank contributes), ``t.nbytes`` for all_reduce
-and broadcast. These are payload bytes, not wire bytes: a ring all_gather puts
+``inp.nbytes`` for reduce_scatter and all_to_all (what every rank contributes), ``t.nbytes``
+for all_reduce and broadcast. These are payload bytes, not wire bytes: a ring all_gather puts
 ``(W-1)/W * out.nbytes`` on each rank's link.
 
 Errors: arguments are checked on the calling rank before anything is enqueued and raise
@@ -33,7 +35,7 @@ from collections.abc import Mapping
 
 import torch
 
-OPS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
+OPS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "all_to_all")
 """The op names used as keys of ``Communicator.stats``."""
 
 REDUCE_OPS = {
@@ -87,7 +89,7 @@ class Communicator(abc.ABC):
     """A group of ``world_size`` ranks that run the same collectives in the same order.
 
     Subclasses set ``rank``, ``world_size`` and ``device``, call ``_init_stats()``, and
-    implement the four collectives and ``barrier()``. The ``_check_*`` methods here do the
+    implement the five collectives and ``barrier()``. The ``_check_*`` methods here do the
     argument checks common to every backend.
     """
 
@@ -142,6 +144,18 @@ class Communicator(abc.ABC):
         ``op`` in ``"sum"``, ``"avg"``."""
 
     @abc.abstractmethod
+    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor) -> Work:
+        """Every rank sends one equal segment of ``inp`` to every rank: with
+        ``m = inp.numel() // world_size``, ``out[r*m:(r+1)*m]`` on this rank is
+        ``inp[rank*m:(rank+1)*m]`` of rank r (this rank's own segment included).
+
+        ``inp`` and ``out`` are 1-D, contiguous, of one dtype and device, with the same numel,
+        a multiple of ``world_size``. Any dtype: the bytes move as they are, nothing is reduced
+        (a dtype the backend lacks travels bit-cast). Asynchronous like the others: ``out`` is
+        valid after ``wait()``. Counted in ``stats["all_to_all"]`` as ``inp.nbytes``.
+        """
+
+    @abc.abstractmethod
     def all_reduce(self, t: torch.Tensor, op: str = "sum") -> Work:
         """In place: ``t`` = op over ranks of ``t``; ``op`` in ``"sum"``, ``"avg"``, ``"max"``."""
 
@@ -192,6 +206,21 @@ class Communicator(abc.ABC):
                              f"{self.world_size * out.numel()}, got {inp.numel()}")
         self._check_reduction("reduce_scatter", op, out.dtype)
 
+    def _check_all_to_all(self, out: torch.Tensor, inp: torch.Tensor,
+                          strict_device: bool = True) -> None:
+        self._check_pair("all_to_all", out, inp, strict_device)
+        for name, t in (("out", out), ("inp", inp)):
+            if t.dim() != 1:
+                raise ValueError(f"all_to_all: {name} must be 1-D, got shape {tuple(t.shape)}; "
+                                 f"pass {name}.view(-1)")
+        if out.numel() != inp.numel():
+            raise ValueError(f"all_to_all: out.numel() must equal inp.numel() = {inp.numel()}, "
+                             f"got {out.numel()}")
+        if inp.numel() % self.world_size:
+            raise ValueError(f"all_to_all: inp.numel() must be a multiple of world_size = "
+                             f"{self.world_size} (one equal segment per rank), got "
+                             f"{inp.numel()}")
+
     def _check_all_reduce(self, t: torch.Tensor, op: str, strict_device: bool = True) -> None:
         self._check_tensor("all_reduce", "t", t, strict_device)
         self._check_reduction("all_reduce", op, t.dtype)
@@ -212,8 +241,8 @@ class Communicator(abc.ABC):
         if dtype not in reducible:
             names = ", ".join(str(d).removeprefix("torch.") for d in reducible)
             raise ValueError(f"{coll}: this backend cannot reduce {dtype} (it travels only "
-                             f"bit-cast, for all_gather and broadcast); reducible dtypes: "
-                             f"{names}")
+                             f"bit-cast, for all_gather, broadcast and all_to_all); reducible "
+                             f"dtypes: {names}")
         if op == "avg" and not dtype.is_floating_point:
             raise ValueError(f"{coll}: op='avg' needs a floating dtype (an average of "
                              f"integers is not an integer), got {dtype}; use op='sum'")

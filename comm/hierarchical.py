@@ -14,6 +14,8 @@ topology-aware rings already leave a node once; gloo's do not)::
     reduce_scatter  intra (W*m -> R*m), then inter (R*m -> m)
     all_reduce      intra, then inter
     broadcast       inter from src's node, then intra from src's place in the node
+    all_to_all      intra (segments of R*m), a local transpose, inter (segments of G*m),
+                    and a local transpose into ``out`` inside ``wait()``
 
 The second collective is launched inside ``wait()``: the chains of this communicator are
 advanced in the order they were issued, whichever is waited first, so every rank launches
@@ -21,7 +23,10 @@ the second halves in the same order. What the first half moves overlaps with wha
 until then (the optimizer waits the slow half of a mask all-gather at the next step).
 
 Byte counts (``stats``) are kept per level, ``"intra/<op>"`` and ``"inter/<op>"``, as each
-level's communicator counts them (payload bytes, docs/design.md §1).
+level's communicator counts them (payload bytes, docs/design.md §1). An all_to_all counts its
+whole payload, ``inp.nbytes``, at both levels: unlike the other collectives it does not shrink
+the slow level's share (every segment for another node crosses the network once, and the
+intra step first gathers in each rank the segments that go to its place in every node).
 """
 
 from __future__ import annotations
@@ -62,6 +67,26 @@ class _Chain(Work):
 
     def is_completed(self) -> bool:
         return self._done or (self._work is not None and self._work.is_completed())
+
+
+class _Finished(Work):
+    """A collective in flight and a local step that completes its result, run once in
+    ``wait()`` after the collective (on the caller's current stream, as a backend's own
+    ``wait()`` finishes an average)."""
+
+    def __init__(self, work: Work, finish: Callable[[], None]):
+        self._work = work
+        self._finish: Callable[[], None] | None = finish
+
+    def wait(self) -> None:
+        if self._finish is None:
+            return
+        self._work.wait()
+        self._finish()
+        self._finish = None
+
+    def is_completed(self) -> bool:
+        return self._finish is None or self._work.is_completed()
 
 
 class HierarchicalCommunicator(Communicator):
@@ -149,6 +174,30 @@ class HierarchicalCommunicator(Communicator):
         mid = torch.empty(self.nodes * out.numel(), dtype=inp.dtype, device=inp.device)
         first = self.intra.reduce_scatter(mid, inp.view(-1), op=op)
         return self._chain(first, lambda: self.inter.reduce_scatter(out.view(-1), mid, op=op))
+
+    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor) -> Work:
+        """Two one-level all-to-alls. The segment for rank ``a * R + b`` (place a, node b)
+        first goes inside the node to place a (intra, the R segments for place a are
+        contiguous), then across nodes to node b (inter), each time in one collective;
+        local transposes between and after put the segments in the group's rank order."""
+        self._check_all_to_all(out, inp)
+        nodes, per_node = self.nodes, self.per_node
+        m = inp.numel() // self.world_size
+        mid = torch.empty_like(inp)
+        first = self.intra.all_to_all(mid, inp)
+
+        def second() -> Work:
+            # mid[a_src, b'] came from (a_src, this node) for (this place, b'): group by b'
+            send = mid.view(per_node, nodes, m).transpose(0, 1).contiguous().view(-1)
+            recv = torch.empty_like(inp)  # recv[b_src, a_src]: from rank a_src * R + b_src
+            work = self.inter.all_to_all(recv, send)
+
+            def finish() -> None:  # back to the group's order: [a_src, b_src]
+                out.view(per_node, nodes, m).copy_(recv.view(nodes, per_node, m).transpose(0, 1))
+
+            return _Finished(work, finish)
+
+        return self._chain(first, second)
 
     def all_reduce(self, t: torch.Tensor, op: str = "sum") -> Work:
         self._check_all_reduce(t, op)

@@ -93,7 +93,8 @@ def nccl_dtype(nccl: Any, dtype: torch.dtype, reduce: bool) -> tuple[int, int]:
     """``(NCCL datatype, elements per torch element)`` for moving ``dtype``.
 
     A dtype NCCL lacks travels as bytes (``ncclUint8``, ``itemsize`` elements per element) when
-    ``reduce`` is False (all_gather, broadcast); for a reduction it raises ``ValueError``.
+    ``reduce`` is False (all_gather, broadcast, all_to_all); for a reduction it raises
+    ``ValueError``.
     """
     name = NCCL_DTYPES.get(dtype)
     if name is not None:
@@ -246,6 +247,29 @@ class NcclCommunicator(Communicator):
         return self._launch("reduce_scatter", (out, inp), lambda comm, stream:
                             comm.reduceScatter(inp.data_ptr(), out.data_ptr(), out.numel(),
                                                dtype, nop, stream))
+
+    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor) -> Work:
+        """One NCCL group (``ncclGroupStart``/``ncclGroupEnd``) of a send of segment ``r`` of
+        ``inp`` and a receive into segment ``r`` of ``out`` for every rank ``r`` (itself
+        included), on the comm stream."""
+        self._check_all_to_all(out, inp)
+        dtype, per = nccl_dtype(self._nccl, inp.dtype, reduce=False)
+        m = inp.numel() // self.world_size
+        count, seg = m * per, m * inp.element_size()
+        nccl, world = self._nccl, self.world_size
+        self._count("all_to_all", inp.nbytes)
+
+        def call(comm: Any, stream: int) -> None:
+            src, dst = inp.data_ptr(), out.data_ptr()
+            nccl.groupStart()
+            try:
+                for peer in range(world):
+                    comm.send(src + peer * seg, count, dtype, peer, stream)
+                    comm.recv(dst + peer * seg, count, dtype, peer, stream)
+            finally:
+                nccl.groupEnd()
+
+        return self._launch("all_to_all", (out, inp), call)
 
     def all_reduce(self, t: torch.Tensor, op: str = "sum") -> Work:
         self._check_all_reduce(t, op)

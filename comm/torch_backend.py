@@ -7,8 +7,8 @@ Without an initialized process group it is a single-rank communicator whose coll
 local copies, so a single-process user needs no setup.
 
 dtypes: the backend's own dtypes travel as they are. A dtype the backend lacks (int16 and
-uint16 on gloo and nccl; any other) travels bit-cast as bytes (``uint8``) for all_gather and
-broadcast, which only copy; reducing such a dtype raises ``ValueError``.
+uint16 on gloo and nccl; any other) travels bit-cast as bytes (``uint8``) for all_gather,
+broadcast and all_to_all, which only copy; reducing such a dtype raises ``ValueError``.
 
 ``op="avg"`` on gloo is a sum followed by a division by ``world_size`` inside ``Work.wait()``
 (gloo in older torch versions has no average); on nccl it is NCCL's own average.
@@ -152,6 +152,17 @@ class TorchCommunicator(Communicator):
         return self._launch("reduce_scatter", lambda: _reduce_scatter_flat(
             out.view(-1), inp.view(-1), op=wire_op, group=self.group, async_op=True),
             (out, inp), finish)
+
+    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor) -> Work:
+        self._check_all_to_all(out, inp, strict_device=not self.single)
+        self._count("all_to_all", inp.nbytes)
+        if self.single:
+            out.copy_(inp)
+            return CompletedWork()
+        # equal splits along dim 0; a bit-cast wire keeps them aligned (m * itemsize bytes)
+        o, i = self._wire(out), self._wire(inp)
+        return self._launch("all_to_all", lambda: dist.all_to_all_single(
+            o, i, group=self.group, async_op=True), (out, inp, o, i))
 
     def all_reduce(self, t: torch.Tensor, op: str = "sum") -> Work:
         self._check_all_reduce(t, op, strict_device=not self.single)

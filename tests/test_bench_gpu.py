@@ -34,6 +34,7 @@ def _suite(rank: int, comm, world: int) -> dict:
     dev, suite = comm.device, test_comm
     report = {"errors_first": suite._check_errors(comm, rank, world, dev)}
     report["collectives"] = suite._check_every_collective(comm, rank, world, dev)
+    report["all_to_all"] = suite._check_all_to_all(comm, rank, world, dev)
     suite._check_in_flight_reverse(comm, rank, world, dev)
     suite._check_stats(comm, rank, world, dev)
     report["errors_last"] = suite._check_errors(comm, rank, world, dev)
@@ -47,7 +48,8 @@ def test_inprocess_collective_suite(world):
     reports = run_threads(_suite, world, world, timeout=30)
     for r in reports:
         assert r["collectives"] == 8 * (1 + world) + 3 * 5 + 3 * 3
-        assert r["errors_first"] == r["errors_last"] == 18
+        assert r["all_to_all"] == len(test_comm.ALL_TO_ALL) * 2
+        assert r["errors_first"] == r["errors_last"] == test_comm.BAD_CALLS
 
 
 @pytest.mark.timeout(30)

@@ -13,6 +13,7 @@ import sys
 import pytest
 import torch
 
+from bench.engine.comm_timing import timed_communicator
 from bench.engine.nullcomm import NullCommunicator
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -287,10 +288,21 @@ def test_null_communicator(world, rank):
     inp = torch.randn(rs.numel() * world)
     c.reduce_scatter(rs, inp).wait()
     assert torch.equal(rs, inp.view(world, -1)[rank])
+    a2a_in = torch.randn(3 * world, generator=torch.Generator().manual_seed(10 + world))
+    a2a = torch.full((3 * world,), float("nan"))
+    c.all_to_all(a2a, a2a_in).wait()  # as if every rank sent this rank's segments
+    assert torch.equal(a2a.view(world, 3), a2a_in.view(world, 3)[rank].expand(world, 3))
     assert c.stats["all_gather"] == {"calls": 1, "bytes": out.nbytes}
     assert c.stats["reduce_scatter"] == {"calls": 1, "bytes": inp.nbytes}
+    assert c.stats["all_to_all"] == {"calls": 1, "bytes": a2a_in.nbytes}
     with pytest.raises(ValueError):
         c.all_gather(torch.empty(5), x)
+    with pytest.raises(ValueError, match="all_to_all"):
+        c.all_to_all(torch.empty(3 * world), torch.empty(3 * world + 1))
+    timed = timed_communicator(c)  # the runner's wrapper passes it through, and times wait()
+    timed.all_to_all(a2a, a2a_in).wait()
+    assert timed.stats["all_to_all"] == {"calls": 2, "bytes": 2 * a2a_in.nbytes}
+    assert timed.wait_s >= 0.0
 
 
 def test_lr_stability_table(capsys):

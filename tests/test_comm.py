@@ -1,7 +1,8 @@
 """The collective suite: real processes (tests/dist.py), 2, 3 and 4 ranks, every collective x
-dtype against expected tensors built from every rank's inputs, collectives in flight waited in
-reverse order, exact byte accounting, and every argument error raised on every rank without
-desynchronising the group. Each spawned group runs the whole suite (spawning costs seconds).
+dtype against expected tensors built from every rank's inputs (all_to_all also in int8),
+collectives in flight waited in reverse order, exact byte accounting, and every argument error
+raised on every rank without desynchronising the group. Each spawned group runs the whole
+suite (spawning costs seconds).
 
 The suite runs on gloo (TorchCommunicator) everywhere and again on NcclCommunicator when at least
 as many CUDA devices as ranks are present (skipped otherwise, with the reason).
@@ -16,7 +17,9 @@ from dist import run_ranks
 
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 INTS = (torch.int32, torch.int64, torch.uint8)
-BITCAST = (torch.int16, torch.uint16)  # no reduction: all_gather and broadcast only
+BITCAST = (torch.int16, torch.uint16)  # no reduction: all_gather, broadcast and all_to_all only
+ALL_TO_ALL = FLOATS + INTS + BITCAST + (torch.int8,)
+"""dtypes the all_to_all check moves (it copies bytes: any dtype, bit-exact)."""
 
 TOL = {torch.float32: (2e-6, 1e-5), torch.float16: (1e-3, 1e-3), torch.bfloat16: (8e-3, 1e-2)}
 """(rtol, atol) for reductions; copies (all_gather, broadcast) must be bit-exact."""
@@ -32,6 +35,8 @@ def rank_data(rank: int, dtype: torch.dtype, shape: tuple[int, ...], salt: int) 
         return (torch.randint(-32, 32, shape, generator=g) / 2).to(dtype)
     if dtype == torch.uint8:  # sums over 4 ranks stay below 256
         return torch.randint(0, 60, shape, generator=g, dtype=torch.uint8)
+    if dtype == torch.int8:  # the full range: sign bits matter
+        return torch.randint(-128, 128, shape, generator=g, dtype=torch.int8)
     if dtype == torch.int16:  # the full range: sign bits and both bytes matter
         return torch.randint(-(2**15), 2**15, shape, generator=g, dtype=torch.int32).to(dtype)
     if dtype == torch.uint16:
@@ -129,8 +134,29 @@ def _check_every_collective(comm, rank: int, world: int, dev: torch.device) -> i
     return checks
 
 
+def _check_all_to_all(comm, rank: int, world: int, dev: torch.device) -> int:
+    """all_to_all x dtype: segment ``r`` of ``out`` is segment ``rank`` of rank r's ``inp``,
+    bit-exact, every element written (``out`` pre-filled with NaN / min), ``inp`` untouched;
+    returns the number of checks made."""
+    checks = 0
+    for salt, dtype in enumerate(ALL_TO_ALL):
+        for m in (1, 13):  # one element per rank; an odd segment
+            shape = (world * m,)
+            inp = rank_data(rank, dtype, shape, 500 + 10 * salt + m).to(dev)
+            out = nan_empty(shape, dtype, dev)
+            comm.all_to_all(out, inp).wait()
+            torch.cuda.synchronize() if dev.type == "cuda" else None
+            expected = torch.cat([rank_data(r, dtype, shape, 500 + 10 * salt + m)
+                                  [rank * m:(rank + 1) * m] for r in range(world)])
+            assert same_bits(_host(out), expected), f"all_to_all {dtype} m={m}"
+            assert same_bits(_host(inp), rank_data(rank, dtype, shape, 500 + 10 * salt + m)), \
+                f"all_to_all {dtype}: inp modified"
+            checks += 1
+    return checks
+
+
 def _check_in_flight_reverse(comm, rank: int, world: int, dev: torch.device) -> None:
-    """Six collectives of different kinds in flight at once, waited in reverse order."""
+    """Eight collectives of different kinds in flight at once, waited in reverse order."""
     n = 1000
     ag_in = rank_data(rank, torch.float32, (n,), 400).to(dev)
     ag_out = nan_empty((world * n,), torch.float32, dev)
@@ -142,9 +168,15 @@ def _check_in_flight_reverse(comm, rank: int, world: int, dev: torch.device) -> 
     ag8_out = nan_empty((world, n), torch.uint8, dev)
     rs32_in = rank_data(rank, torch.float32, (world * n,), 405).to(dev)
     rs32_out = nan_empty((n,), torch.float32, dev)
+    a2a_in = rank_data(rank, torch.bfloat16, (world * n,), 406).to(dev)
+    a2a_out = nan_empty((world * n,), torch.bfloat16, dev)
+    a2a8_in = rank_data(rank, torch.int8, (world * n,), 407).to(dev)
+    a2a8_out = nan_empty((world * n,), torch.int8, dev)
     works = [comm.all_gather(ag_out, ag_in), comm.reduce_scatter(rs_out, rs_in, op="avg"),
+             comm.all_to_all(a2a_out, a2a_in),
              comm.all_reduce(ar, op="max"), comm.broadcast(bc, world - 1),
-             comm.all_gather(ag8_out, ag8_in), comm.reduce_scatter(rs32_out, rs32_in, op="sum")]
+             comm.all_gather(ag8_out, ag8_in), comm.reduce_scatter(rs32_out, rs32_in, op="sum"),
+             comm.all_to_all(a2a8_out, a2a8_in)]
     for w in reversed(works):
         w.wait()
     for w in works:
@@ -163,13 +195,17 @@ def _check_in_flight_reverse(comm, rank: int, world: int, dev: torch.device) -> 
     assert same_bits(_host(ag8_out), every(404, torch.uint8, (n,)))
     rs32 = every(405, torch.float32, (world * n,)).double().sum(0)[rank * n:(rank + 1) * n]
     assert_reduced(rs32_out, rs32, "in flight reduce_scatter sum")
+    for salt, dtype, got in ((406, torch.bfloat16, a2a_out), (407, torch.int8, a2a8_out)):
+        sent = every(salt, dtype, (world * n,)).view(world, world, n)  # [from, to]
+        assert same_bits(_host(got), sent[:, rank].reshape(-1)), f"in flight a2a {dtype}"
 
 
 def _check_stats(comm, rank: int, world: int, dev: torch.device) -> None:
     """``stats`` equals the payload definition, counted here from the tensors themselves."""
     comm.reset_stats()
     assert all(v == {"calls": 0, "bytes": 0} for v in comm.stats.values())
-    assert set(comm.stats) == {"all_gather", "reduce_scatter", "all_reduce", "broadcast"}
+    assert set(comm.stats) == {"all_gather", "reduce_scatter", "all_reduce", "broadcast",
+                               "all_to_all"}
     expected = {op: {"calls": 0, "bytes": 0} for op in comm.stats}
     works = []
     for i, dtype in enumerate((torch.float32, torch.bfloat16, torch.int16, torch.int64)):
@@ -182,6 +218,10 @@ def _check_stats(comm, rank: int, world: int, dev: torch.device) -> None:
         works.append(comm.broadcast(inp, 0))
         expected["broadcast"]["calls"] += 1
         expected["broadcast"]["bytes"] += inp.nbytes
+        a2a_in = torch.zeros(world * (k + 1), dtype=dtype, device=dev)
+        works.append(comm.all_to_all(torch.zeros_like(a2a_in), a2a_in))
+        expected["all_to_all"]["calls"] += 1
+        expected["all_to_all"]["bytes"] += a2a_in.nbytes  # what this rank sends
         if dtype != torch.int16:
             works.append(comm.reduce_scatter(inp, out, op="sum"))
             expected["reduce_scatter"]["calls"] += 1
@@ -225,6 +265,17 @@ def _check_errors(comm, rank: int, world: int, dev: torch.device) -> int:
         (ValueError, lambda: comm.broadcast(f32(4), -1)),
         (TypeError, lambda: comm.broadcast(f32(4), "0")),
         (TypeError, lambda: comm.broadcast(f32(4), 0.0)),
+        (ValueError, lambda: comm.all_to_all(f32(world * 4 + 1), f32(world * 4 + 1))),
+        (ValueError, lambda: comm.all_to_all(f32(world * 4), f32(world * 8))),
+        (ValueError, lambda: comm.all_to_all(f32(world * 4).bfloat16(), f32(world * 4))),
+        (ValueError, lambda: comm.all_to_all(
+            torch.zeros(world * 4, dtype=torch.int8, device=dev),
+            torch.zeros(world * 4, dtype=torch.uint8, device=dev))),
+        (ValueError, lambda: comm.all_to_all(f32(world * 4), f32(world * 4, 2)[:, 0])),
+        (ValueError, lambda: comm.all_to_all(f32(world, 4), f32(world, 4))),
+        (ValueError, lambda: comm.all_to_all(torch.zeros(world * 4, device=other),
+                                             f32(world * 4))),
+        (TypeError, lambda: comm.all_to_all(f32(world * 4), [0.0] * (world * 4))),
     ]
     before = {op: dict(v) for op, v in comm.stats.items()}
     for i, (exc, call) in enumerate(bad_calls):
@@ -248,6 +299,7 @@ def _suite(rank: int, world: int, backend: str) -> dict:
     dev = comm.device
     report = {"errors_first": _check_errors(comm, rank, world, dev)}
     report["collectives"] = _check_every_collective(comm, rank, world, dev)
+    report["all_to_all"] = _check_all_to_all(comm, rank, world, dev)
     _check_in_flight_reverse(comm, rank, world, dev)
     _check_stats(comm, rank, world, dev)
     report["errors_last"] = _check_errors(comm, rank, world, dev)
@@ -256,6 +308,9 @@ def _suite(rank: int, world: int, backend: str) -> dict:
         comm.destroy()
     return report
 
+
+BAD_CALLS = 26
+"""Bad calls of ``_check_errors``: 18 of the four older collectives, 8 of all_to_all."""
 
 BACKENDS = [pytest.param("gloo", id="gloo"), pytest.param("nccl", id="nccl", marks=pytest.mark.gpu)]
 
@@ -273,4 +328,5 @@ def test_collective_suite(world, backend):
     for r in reports:
         # copies: 8 dtypes x (all_gather + world broadcasts); reductions: 3 floats x 5 + 3 ints x 3
         assert r["collectives"] == 8 * (1 + world) + 3 * 5 + 3 * 3
-        assert r["errors_first"] == r["errors_last"] == 18
+        assert r["all_to_all"] == len(ALL_TO_ALL) * 2  # 9 dtypes x 2 segment sizes
+        assert r["errors_first"] == r["errors_last"] == BAD_CALLS

@@ -172,6 +172,11 @@ def test_single_rank_mode(no_dist):
         y = x.clone()
         comm.broadcast(y, 0).wait()
         assert torch.equal(y, x)
+        out = nan_empty((9,), dtype)
+        w = comm.all_to_all(out, x)  # one rank: its only segment is its own
+        assert w.is_completed()
+        w.wait()
+        assert torch.equal(out, x)
     comm.barrier()
     assert comm.stats["all_gather"] == {"calls": 5, "bytes": sum(
         9 * d.itemsize for d in (torch.float32, torch.bfloat16, torch.int16, torch.int64,
@@ -189,6 +194,11 @@ def test_single_rank_mode(no_dist):
         comm.all_reduce(torch.zeros(2, dtype=torch.int16))
     with pytest.raises(ValueError, match="same device"):
         comm.all_gather(torch.zeros(4, device="meta"), torch.zeros(4))
+    assert comm.stats["all_to_all"] == {"calls": 5, "bytes": comm.stats["all_gather"]["bytes"]}
+    with pytest.raises(ValueError, match="all_to_all: out.numel"):
+        comm.all_to_all(torch.zeros(8), torch.zeros(4))
+    with pytest.raises(ValueError, match="1-D"):
+        comm.all_to_all(torch.zeros(2, 2), torch.zeros(2, 2))
     comm.reset_stats()
     assert all(v == {"calls": 0, "bytes": 0} for v in comm.stats.values())
 

@@ -1,10 +1,13 @@
 """HierarchicalCommunicator: two-level collectives equal the flat ones, in the group's rank
-order, on real gloo processes (4 ranks as 2 nodes x 2), with bytes counted per level."""
+order, on real gloo processes (4 ranks as 2 nodes x 2), with bytes counted per level; the
+two-level all_to_all also on ranks as threads (bench.engine.inprocess) in layouts that are not
+square (2 nodes x 3, 3 nodes x 2), where a transposed segment order would show."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from conftest import nan_empty
 
 from tests.dist import run_ranks
 
@@ -57,12 +60,20 @@ def _collectives(rank: int, world: int, seed: int) -> dict:
     w_ar = comm.all_reduce(ar, op="sum")
     bc = inp.clone()
     w_bc = comm.broadcast(bc, src=3)
-    for w in (w_bc, w_ar, w_rs, w_ag):  # waited in the reverse order of issue
+    a2a_in = torch.randint(-128, 128, (world * 5,), generator=g, dtype=torch.int8)
+    a2a_table = torch.empty(world, world * 5, dtype=torch.int8)
+    flat.all_gather(a2a_table.view(-1), a2a_in).wait()
+    a2a_by_me = torch.empty_like(a2a_table)
+    a2a_by_me[order] = a2a_table
+    a2a = torch.full((world * 5,), -128, dtype=torch.int8)
+    w_a2a = comm.all_to_all(a2a, a2a_in)
+    for w in (w_a2a, w_bc, w_ar, w_rs, w_ag):  # waited in the reverse order of issue
         w.wait()
     out["ag_ok"] = torch.equal(ag.view(world, n), by_me)
     out["rs_err"] = float((rs - rs_by_me[:, me * 3:(me + 1) * 3].mean(0)).abs().max())
     out["ar_err"] = float((ar - by_me.sum(0)).abs().max())
     out["bc_ok"] = torch.equal(bc, by_me[3])
+    out["a2a_ok"] = torch.equal(a2a.view(world, 5), a2a_by_me[:, me * 5:(me + 1) * 5])
     out["stats"] = {k: dict(v) for k, v in comm.stats.items()}
     comm.barrier()
     dist.barrier()
@@ -77,7 +88,7 @@ def test_two_level_collectives_match_flat():
         # the group's rank is place * R + node: the R ranks of one place are neighbours
         assert r["me"] == r["place"] * NODES + r["node"]
         assert r["world"] == 4
-        assert r["ag_ok"] and r["bc_ok"]
+        assert r["ag_ok"] and r["bc_ok"] and r["a2a_ok"]
         assert r["rs_err"] < 1e-6 and r["ar_err"] < 1e-5
         # global_ranks()[me] is this process's global rank
         assert r["global_ranks"][r["me"]] == r["node"] * PER_NODE + r["place"]
@@ -91,6 +102,77 @@ def test_two_level_collectives_match_flat():
         assert s["inter/reduce_scatter"]["bytes"] == NODES * 3 * f32
         assert s["intra/all_reduce"]["bytes"] == s["inter/all_reduce"]["bytes"] == 6 * f32
         assert s["intra/broadcast"]["calls"] == s["inter/broadcast"]["calls"] == 1
+        # all_to_all of W*5 int8: the whole payload at both levels
+        assert s["intra/all_to_all"] == s["inter/all_to_all"] == {"calls": 1, "bytes": 4 * 5}
+
+
+def _threads_all_to_all(nodes: int, per_node: int) -> list[dict]:
+    """``nodes * per_node`` ranks as threads, each level an in-process group: rank (place a,
+    node b) has intra = place a of node b's group, inter = node b of place a's group."""
+    import threading
+
+    from bench.engine.inprocess import InProcessGroup
+    from scape.comm import HierarchicalCommunicator
+
+    intra = [InProcessGroup(per_node, timeout=30).communicators() for _ in range(nodes)]
+    inter = [InProcessGroup(nodes, timeout=30).communicators() for _ in range(per_node)]
+    world, results, errors = nodes * per_node, {}, []
+
+    def body(a: int, b: int) -> None:
+        try:
+            comm = HierarchicalCommunicator(intra=intra[b][a], inter=inter[a][b])
+            me = comm.rank
+            works, outs = [], []
+            for salt, (dtype, m) in enumerate(((torch.float32, 3), (torch.bfloat16, 1),
+                                               (torch.int8, 4), (torch.uint8, 2))):
+                inp = _a2a_data(me, salt, dtype, world * m)
+                out = nan_empty((world * m,), dtype)
+                works.append(comm.all_to_all(out, inp))
+                outs.append((salt, dtype, m, inp, out))
+            for w in reversed(works):
+                w.wait()
+            results[me] = {"place": a, "node": b, "outs": outs,
+                           "stats": {k: dict(v) for k, v in comm.stats.items()}}
+        except BaseException as e:  # noqa: BLE001 - reported by the test
+            errors.append(e)
+            for g in intra[b] + inter[a]:
+                g.group.abort()
+
+    threads = [threading.Thread(target=body, args=(a, b), daemon=True)
+               for a in range(per_node) for b in range(nodes)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    if errors:
+        raise errors[0]
+    return [results[r] for r in range(world)]
+
+
+def _a2a_data(me: int, salt: int, dtype: torch.dtype, n: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * salt + me)
+    if dtype.is_floating_point:
+        return torch.randn(n, generator=g).to(dtype)
+    lo, hi = (-128, 128) if dtype == torch.int8 else (0, 256)
+    return torch.randint(lo, hi, (n,), generator=g, dtype=dtype)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("nodes,per_node", [(2, 3), (3, 2), (1, 3), (3, 1)])
+def test_two_level_all_to_all_in_group_order(nodes, per_node):
+    world = nodes * per_node
+    res = _threads_all_to_all(nodes, per_node)
+    for me, r in enumerate(res):
+        assert me == r["place"] * nodes + r["node"]
+        total = 0
+        for salt, dtype, m, inp, out in r["outs"]:
+            expected = torch.cat([_a2a_data(src, salt, dtype, world * m)[me * m:(me + 1) * m]
+                                  for src in range(world)])
+            assert torch.equal(out, expected), (nodes, per_node, me, dtype)
+            assert torch.equal(inp, _a2a_data(me, salt, dtype, world * m)), "inp modified"
+            total += inp.nbytes
+        s = r["stats"]
+        assert s["intra/all_to_all"] == s["inter/all_to_all"] == {"calls": 4, "bytes": total}
 
 
 def test_mesh_of_three_dimensions_is_refused():

@@ -147,16 +147,33 @@ class _RecordingLibrary:
         return lambda *args: self.calls.append((name, *args))
 
 
+class _RecordingModule:
+    """Stands in for ``cupy.cuda.nccl``: its constants and errors, with ``groupStart`` and
+    ``groupEnd`` recorded in the library's list (so the order of a group's calls shows)."""
+
+    def __init__(self, nccl, lib: _RecordingLibrary):
+        self._nccl, self._lib = nccl, lib
+
+    def __getattr__(self, name):
+        return getattr(self._nccl, name)
+
+    def groupStart(self):  # noqa: N802 - cupy's name
+        self._lib.calls.append(("groupStart",))
+
+    def groupEnd(self):  # noqa: N802 - cupy's name
+        self._lib.calls.append(("groupEnd",))
+
+
 def _offline_comm(world: int, rank: int):
     """An NcclCommunicator without a GPU: CPU tensors, and a launcher that hands each call to a
     recording library instead of a stream. Everything before the library call is the real
     code path: validation, table look-ups, byte accounting, pointers and counts."""
     comm = NcclCommunicator.__new__(NcclCommunicator)
-    comm._nccl = nb.import_nccl()
     comm._init_stats()
     comm.rank, comm.world_size, comm.device = rank, world, torch.device("cpu")
     comm._failure = None
     lib = _RecordingLibrary()
+    comm._nccl = _RecordingModule(nb.import_nccl(), lib)
 
     def launch(op, tensors, call):
         comm._raise_if_failed(op)
@@ -193,7 +210,50 @@ def test_collective_arguments_reach_the_library():
         "all_gather": {"calls": 1, "bytes": out.nbytes},
         "reduce_scatter": {"calls": 1, "bytes": rs_in.nbytes},
         "all_reduce": {"calls": 1, "bytes": t.nbytes},
-        "broadcast": {"calls": 1, "bytes": b.nbytes}}
+        "broadcast": {"calls": 1, "bytes": b.nbytes},
+        "all_to_all": {"calls": 0, "bytes": 0}}
+
+
+def test_all_to_all_is_one_group_of_sends_and_receives():
+    world, rank, m = 3, 1, 5
+    comm, lib = _offline_comm(world, rank)
+    nccl = comm._nccl
+    sent = 0
+    # native dtypes as themselves; int16 (NCCL lacks it) as 2 bytes per element
+    for dtype, code, per in ((torch.bfloat16, nccl.NCCL_BFLOAT16, 1),
+                             (torch.int8, nccl.NCCL_INT8, 1), (torch.uint8, nccl.NCCL_UINT8, 1),
+                             (torch.int16, nccl.NCCL_UINT8, 2)):
+        lib.calls.clear()
+        inp = torch.zeros(world * m, dtype=dtype)
+        out = torch.zeros(world * m, dtype=dtype)
+        comm.all_to_all(out, inp)
+        seg = m * inp.element_size()
+        expected: list[tuple] = [("groupStart",)]
+        for peer in range(world):  # segment peer of inp to peer, of out from peer
+            expected += [("send", inp.data_ptr() + peer * seg, m * per, code, peer, 77),
+                         ("recv", out.data_ptr() + peer * seg, m * per, code, peer, 77)]
+        assert lib.calls == expected + [("groupEnd",)], dtype
+        sent += inp.nbytes
+    assert comm.stats["all_to_all"] == {"calls": 4, "bytes": sent}
+
+
+def test_all_to_all_closes_its_group_when_a_call_fails():
+    comm, lib = _offline_comm(2, 0)
+
+    class Failing(_RecordingLibrary):
+        def recv(self, *args):
+            raise RuntimeError("recv refused")
+
+    failing = Failing()
+    failing.calls = lib.calls
+
+    def launch(op, tensors, call):
+        call(failing, 77)
+
+    comm._launch = launch
+    with pytest.raises(RuntimeError, match="recv refused"):
+        comm.all_to_all(torch.zeros(4), torch.zeros(4))
+    assert lib.calls[0] == ("groupStart",) and lib.calls[-1] == ("groupEnd",)
 
 
 def test_bad_arguments_never_reach_the_library():
@@ -214,6 +274,13 @@ def test_bad_arguments_never_reach_the_library():
         (ValueError, lambda: comm.broadcast(f32(4), world)),
         (TypeError, lambda: comm.broadcast(f32(4), None)),
         (TypeError, lambda: comm.all_reduce(4.0)),
+        (ValueError, lambda: comm.all_to_all(f32(world * 4 + 1), f32(world * 4 + 1))),
+        (ValueError, lambda: comm.all_to_all(f32(world * 4), f32(world * 4 + 2))),
+        (ValueError, lambda: comm.all_to_all(f32(world * 4).half(), f32(world * 4))),
+        (ValueError, lambda: comm.all_to_all(f32(world * 4, 2)[:, 0], f32(world * 4))),
+        (ValueError, lambda: comm.all_to_all(f32(world, 4), f32(world, 4))),
+        (ValueError, lambda: comm.all_to_all(f32(world * 4, device="meta"), f32(world * 4))),
+        (TypeError, lambda: comm.all_to_all(f32(world * 4), None)),
     ]
     for i, (exc, call) in enumerate(bad_calls):
         with pytest.raises(exc):

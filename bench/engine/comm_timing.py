@@ -59,6 +59,9 @@ def timed_communicator(inner: Any) -> Any:
         def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, op: str = "avg") -> Work:
             return TimedWork(self, self.inner.reduce_scatter(out, inp, op))
 
+        def all_to_all(self, out: torch.Tensor, inp: torch.Tensor) -> Work:
+            return TimedWork(self, self.inner.all_to_all(out, inp))
+
         def all_reduce(self, t: torch.Tensor, op: str = "sum") -> Work:
             return TimedWork(self, self.inner.all_reduce(t, op))
 

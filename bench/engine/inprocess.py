@@ -141,6 +141,17 @@ class InProcessCommunicator(Communicator):
 
         return self._run("reduce_scatter", inp, compute)
 
+    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor) -> Work:
+        self._check_all_to_all(out, inp)
+        self._count("all_to_all", inp.nbytes)
+        m = inp.numel() // self.world_size
+        lo = self.rank * m
+
+        def compute(inputs: Sequence[torch.Tensor]) -> None:
+            torch.cat([t.view(-1)[lo:lo + m] for t in inputs], out=out.view(-1))
+
+        return self._run("all_to_all", inp, compute)
+
     def all_reduce(self, t: torch.Tensor, op: str = "sum") -> Work:
         self._check_all_reduce(t, op)
         self._count("all_reduce", t.nbytes)

@@ -5,9 +5,10 @@ with the collectives' waiting removed -- and for the compute-only floor of the b
 Collectives complete at once and touch the same buffers a real one would:
 ``all_gather`` writes ``inp`` into every rank's slot of ``out`` (so the model receives this
 rank's values everywhere -- fine for timing, meaningless for training across ranks);
-``reduce_scatter`` copies this rank's slice of ``inp``; ``all_reduce`` and ``broadcast``
-leave the tensor as it is. Bytes are counted exactly as the real backends count them, so
-``comm.stats`` of a step equals what a real run sends.
+``reduce_scatter`` copies this rank's slice of ``inp``; ``all_to_all`` writes this rank's own
+segment of ``inp`` into every rank's segment of ``out`` (as if every rank sent what this one
+sends); ``all_reduce`` and ``broadcast`` leave the tensor as it is. Bytes are counted exactly
+as the real backends count them, so ``comm.stats`` of a step equals what a real run sends.
 """
 
 from __future__ import annotations
@@ -45,6 +46,13 @@ class NullCommunicator(Communicator):
         self._check_reduce_scatter(out, inp, op)
         out.copy_(inp.view(self.world_size, -1)[self.rank])
         self._count("reduce_scatter", inp.nbytes)
+        return CompletedWork()
+
+    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor) -> Work:
+        self._check_all_to_all(out, inp)
+        mine = inp.view(self.world_size, -1)[self.rank]
+        out.view(self.world_size, -1).copy_(mine.view(1, -1).expand(self.world_size, -1))
+        self._count("all_to_all", inp.nbytes)
         return CompletedWork()
 
     def all_reduce(self, t: torch.Tensor, op: str = "sum") -> Work:

@@ -29,7 +29,8 @@ optimizer step; data sampling and evaluation are outside it):
   exposed time, since an early bucket overlaps with the rest of backward);
 - ``compute_s = step_s - wait_s``: the local work;
 - bytes: the step's payload bytes by collective, from ``comm.stats`` (the library's counters,
-  the convention of :mod:`scape.comm`: all_gather counts its output, reduce_scatter its input).
+  the convention of :mod:`scape.comm`: all_gather counts its output, reduce_scatter and
+  all_to_all their input).
   DDP is counted from its buckets through a comm hook: a ring all-reduce of a bucket of ``n``
   bytes is a reduce-scatter plus an all-gather of ``n`` bytes each, so it counts ``2n``, the
   same ``N*(b_g + b_p)`` convention as the sharded optimizers' ``N_pad*(b_g + b_p)``.
