@@ -20,9 +20,9 @@ optimizer the loop trained.
 
 **Recipe** (the README's for a newcomer): ``lr=3e-4``, weight decay 0.1 on one param group,
 ``max_grad_norm=1.0``, ``opt.attach(model)``, the library's defaults otherwise (rule ``agree``,
-one dense warm-up step, the start ramp sized by ``total_steps``, block 4096); the benchmarks' schedule (linear warm-up over 5% of the
-steps, cosine to 10%); bf16 autocast on a GPU. Every optimizer sees the same data, steps and
-schedule.
+one dense warm-up step, the start ramp sized by ``total_steps``, block 4096); the benchmarks'
+schedule (linear warm-up over 5% of the steps, cosine to 10%); bf16 autocast on a GPU. Every
+optimizer sees the same data, steps and schedule.
 
 **Plan.** The target is 1,000 steps and 30M tokens per optimizer. Before training, a
 calibration (4 steps of all W ranks with SCAPE-0.99, one dense and three sparse, and one

@@ -35,7 +35,7 @@ from scape.buffers import DENSE_ALIGN, Bucket
 from scape.checkpoint import load_sharded_state, sharded_state
 from scape.comm import Communicator, HierarchicalCommunicator
 from scape.dcp import is_torch_state_dict, load_torch_state_dict, torch_state_dict
-from scape.kernels import adams_dense_, blockwise_topk, scatter_, take_
+from scape.kernels import adams_dense_, blockwise_topk, gather, scatter_, take_, take_pack8_
 from scape.masks import MaskState, fit_mask, on_device
 from scape.optim_hooks import load_state_dict_hooks, state_dict_hooks
 from scape.profiling import phase
@@ -43,6 +43,7 @@ from scape.rules import ShardState, block_budget
 from scape.schedules import RAMP_START, sparsity_ramp, start_ramp_steps
 from scape.sharded import ShardedOptimizer, _Pending, positional_error
 from scape.two_level import NodeLevel
+from scape.wire import Wire8
 
 DIAG_FULL_EVERY = 10
 """Diagnostics that read the whole shard (``updated_last_100``) refresh this often; the
@@ -75,12 +76,14 @@ class SCAPE(ShardedOptimizer):
             (0: never). Each costs one dense step's bytes.
         max_grad_norm: clip the synchronized gradient to this norm (None: no clipping).
         grad_comm_dtype: dtype of gradients on the wire (float32, bfloat16, float16): bfloat16
-            halves the gradient bytes.
+            halves the gradient bytes; ``torch.int8``: a sparse step sends 8-bit codes with one
+            scale per mask row, the coding error kept in the residual (:mod:`scape.wire`).
         comm: the data-parallel group: a ProcessGroup, a 1-D DeviceMesh or a
             :class:`scape.comm.Communicator` (default: the default process group).
     """
 
     name = "SCAPE"
+    _wire_dtypes = (torch.float32, torch.bfloat16, torch.float16, torch.int8)
     _step_supports_amp_scaling = True  # GradScaler hands its scale to step(), which refuses it
 
     def __init__(self, params: Any, *args: Any, lr: float | None = None,
@@ -92,6 +95,7 @@ class SCAPE(ShardedOptimizer):
                  grad_comm_dtype: torch.dtype = torch.float32,
                  comm: Communicator | None = None) -> None:
         self._call_error = positional_error(self.name, args, lr)
+        self._two_level = isinstance(comm, HierarchicalCommunicator)
         self.warmup_steps = warmup_steps
         self.dense_every = dense_every
         self.total_steps = total_steps
@@ -170,6 +174,9 @@ class SCAPE(ShardedOptimizer):
         config.check_int("warmup_steps", global_fields["warmup_steps"], 0)
         if global_fields["total_steps"] is not None:
             config.check_int("total_steps", global_fields["total_steps"], 1)
+        if grad_comm_dtype == torch.int8 and self._two_level:
+            raise ValueError("grad_comm_dtype=torch.int8 is one level only: with a "
+                             "HierarchicalCommunicator use float32, bfloat16 or float16")
 
     def _validate_group(self, group: dict, index: int) -> None:
         super()._validate_group(group, index)
@@ -326,6 +333,8 @@ class SCAPE(ShardedOptimizer):
         with phase("scape/mask_sync", b.device):
             mask = mask_state.wait()
         assert mask is not None
+        if self.grad_comm_dtype == torch.int8:
+            return self._sparse_launch8(i, b, mask, mask_state.n_local)
         comm, src, mask, take_dtype = self.level.sparse_source(i, b, mask, mask_state.n_local,
                                                               self.grad_comm_dtype)
         with phase("scape/take", b.device):
@@ -346,6 +355,32 @@ class SCAPE(ShardedOptimizer):
         with phase("scape/reduce_scatter", b.device):
             work = comm.reduce_scatter(g, c, op="avg")
         return g, work
+
+    def _sparse_launch8(self, i: int, b: Bucket, mask: torch.Tensor, n_local: int
+                        ) -> tuple[torch.Tensor, Any]:
+        """:meth:`_sparse_launch` with the 8-bit wire: codes and row scales in one
+        all-to-all, decoded and averaged by the owner when the work is waited."""
+        src = b.grad_flat
+        with phase("scape/take", b.device):
+            codes, scales = take_pack8_(src, mask, self.block_size)
+            diag = self.diagnostics[i]
+            taken = None
+            if self.error_feedback or self.max_grad_norm is not None:
+                sent = Wire8.decoded(codes, scales, mask.shape[1])
+                taken = sent.square().sum()
+            if taken is not None and self.error_feedback:
+                left = gather(src, mask, self.block_size)  # the coding error, now residual
+                diag["residual_norm"] = (self._pre_sumsq[i] - (sent + left).square().sum()
+                                         + left.square().sum()).clamp(min=0).sqrt()
+            else:
+                src.zero_()
+                diag["residual_norm"] = torch.zeros((), device=b.device)
+            self._sent_sumsq[i] = taken
+            wire = Wire8(b.world, n_local, mask.shape[1], b.device)
+            send = wire.pack(codes, scales)
+        self._take_bufs[i] = send
+        with phase("scape/reduce_scatter", b.device):
+            return wire.exchange(self.comm, send)
 
     def _sparse_update(self, i: int, g: torch.Tensor, hp: dict) -> _Pending:
         b, mask_state = self.buckets[i], self.masks[i]

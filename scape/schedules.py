@@ -29,7 +29,10 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import torch
+
 from scape import config
+from scape.wire import segment_bytes
 
 SCAPE = Any
 """What the functions here take: a :class:`scape.SCAPE` (``scape.optimizer`` imports this
@@ -101,7 +104,8 @@ def run_bytes(opt: SCAPE, total_steps: int, *, start: float | None = None,
     ``start`` to each sparse group's sparsity (``ends``: their values now by default) over
     ``ramp_steps`` (no ramp when ``start`` is None; both left out: the optimizer's own ramp,
     :attr:`scape.SCAPE.ramp_steps`). Dense AdamS sends ``N (b_g + b_p) + 8``
-    a step: the same wire dtypes, no padding. Exact for every rank's payload, as
+    a step: the same wire dtypes (fp32 gradients for the 8-bit wire, :mod:`scape.wire`, whose
+    sparse steps count its segments), no padding. Exact for every rank's payload, as
     ``opt.last_step.bytes`` counts it (ring factors aside); a group whose sparsity changes
     otherwise is not foreseen. A group whose embedding matrices are set apart
     (:mod:`scape.embeddings`) counts each bucket's own budget. Raises ``ValueError`` for a
@@ -115,8 +119,10 @@ def run_bytes(opt: SCAPE, total_steps: int, *, start: float | None = None,
 
 
 def _run_bytes(opt: SCAPE, total_steps: int, start: float | None, ramp_steps: int,
-               ends: list[float]) -> float:
-    b_g = opt.grad_comm_dtype.itemsize
+               ends: list[float], fp32_wire: bool = False) -> float:
+    wire = torch.float32 if fp32_wire else opt.grad_comm_dtype
+    wire8 = wire == torch.int8  # scape.wire: codes and row scales
+    b_g = 4 if wire8 else wire.itemsize  # a dense step's (and dense AdamS's)
     w, bsz = opt.warmup_steps, opt.block_size
 
     def sparsity(g: int, t: int) -> float:
@@ -138,7 +144,9 @@ def _run_bytes(opt: SCAPE, total_steps: int, start: float | None, ramp_steps: in
                 sent += b.n_pad * (b_g + b_p)
             else:  # the mask made at step t - 1
                 k = opt.mask_budget(b, sparsity(b.group, t - 1))[0]
-                sent += b.n_pad // bsz * k * (b_g + b_p)
+                sent += b.n_pad // bsz * k * b_p
+                sent += b.world * segment_bytes(b.n_pad // bsz // b.world, k) if wire8 \
+                    else b.n_pad // bsz * k * b_g
             if opt.masks[i] is not None and t >= w and not next_dense:
                 k = opt.mask_budget(b, sparsity(b.group, t))[0]
                 sent += b.n_pad // bsz * k * 2  # the next mask
@@ -157,10 +165,10 @@ def longest_ramp(opt: SCAPE, total_steps: int, *, budget: float, start: float = 
 
 
 def _longest_ramp(opt: SCAPE, total_steps: int, budget: float, start: float,
-                  ends: list[float]) -> int:
+                  ends: list[float], fp32_wire: bool = False) -> int:
     if not 0.0 < budget <= 1.0:
         raise ValueError(f"Invalid budget: {budget} (a fraction of dense's bytes in (0, 1])")
-    no_ramp = _run_bytes(opt, total_steps, None, 0, ends)
+    no_ramp = _run_bytes(opt, total_steps, None, 0, ends, fp32_wire)
     if no_ramp > budget:
         raise ValueError(f"{total_steps} steps of this optimizer send {no_ramp:.4f} of "
                          f"dense's bytes without a ramp, more than the budget {budget:.4f}: "
@@ -168,7 +176,7 @@ def _longest_ramp(opt: SCAPE, total_steps: int, budget: float, start: float,
     lo, hi = 0, max(0, total_steps - opt.warmup_steps)  # bytes grow with the ramp's length
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if _run_bytes(opt, total_steps, start, mid, ends) <= budget:
+        if _run_bytes(opt, total_steps, start, mid, ends, fp32_wire) <= budget:
             lo = mid
         else:
             hi = mid - 1
@@ -181,14 +189,16 @@ def start_ramp_steps(opt: SCAPE, total_steps: int | None) -> int:
     :data:`RAMP_REFERENCE` (:func:`longest_ramp` from :data:`RAMP_START`); 0 where not even
     no ramp fits (a run of a few steps, or many dense ones); :data:`RAMP_STEPS_UNSIZED` for
     ``total_steps=None``. The same on every rank (it reads the layout only). A two-level
-    optimizer is sized by the same formula over its buckets."""
+    optimizer is sized by the same formula over its buckets. The bytes are counted with fp32
+    gradients whatever ``grad_comm_dtype`` is, so the start does not depend on the wire: a
+    smaller wire lowers the whole run's bytes instead of buying a longer ramp."""
     if not any(g["sparsity"] > 0 for g in opt.param_groups):
         return 0  # nothing to ramp
     if total_steps is None:
         return RAMP_STEPS_UNSIZED
     ends = [RAMP_REFERENCE if g["sparsity"] > 0 else 0.0 for g in opt.param_groups]
     try:
-        return _longest_ramp(opt, total_steps, RAMP_BUDGET, RAMP_START, ends)
+        return _longest_ramp(opt, total_steps, RAMP_BUDGET, RAMP_START, ends, fp32_wire=True)
     except ValueError:  # even no ramp sends more than the budget
         return 0
 

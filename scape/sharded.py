@@ -77,6 +77,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     name = "sharded optimizer"
     __getstate__ = refuse_copy
+    _wire_dtypes: tuple[torch.dtype, ...] = _GRAD_COMM_DTYPES
+    """The ``grad_comm_dtype`` values this optimizer takes."""
 
     def __init__(self, params: Any, defaults: dict[str, Any], *, comm: Communicator | None,
                  block_size: int, max_grad_norm: float | None,
@@ -107,6 +109,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.block_size = block_size
         self.max_grad_norm = max_grad_norm
         self.grad_comm_dtype = grad_comm_dtype
+        self._dense_wire = torch.float32 if grad_comm_dtype == torch.int8 else grad_comm_dtype
+        """The dtype of a dense step's gradient on the wire (the 8-bit wire is sparse only)."""
         self._faults: faults.FaultPlan | None = None  # armed by scape.faults.install
         self._failed: CommError | None = None
         fields = self._fingerprint(groups_trainable, global_fields, error is None)
@@ -161,9 +165,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
             raise call_error
         config.check_block_size(block_size)
         config.check_max_grad_norm(max_grad_norm)
-        if grad_comm_dtype not in _GRAD_COMM_DTYPES:
+        if grad_comm_dtype not in self._wire_dtypes:
             raise ValueError(f"Invalid grad_comm_dtype: {grad_comm_dtype!r} (expected one of "
-                             "torch.float32, torch.bfloat16, torch.float16)")
+                             f"{', '.join(map(str, self._wire_dtypes))})")
 
     def _validate_group(self, group: dict, index: int) -> None:
         config.check_lr(group["lr"])
@@ -431,7 +435,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             fault.fire(self._step, "grad", self)
         dense_flags = [self._is_dense(i) for i in range(len(self.buckets))]
         device = self.buckets[0].device
-        self.level.gather_inside(self.buckets, self.grad_comm_dtype, self.max_grad_norm is not None)
+        self.level.gather_inside(self.buckets, self._dense_wire, self.max_grad_norm is not None)
         for i in range(len(self.buckets)):
             self._observe(i)
 
@@ -453,7 +457,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             if dense_flags[i]:
                 with phase("scape/reduce_scatter", device):
                     received.append(self.level.dense_launch(i, self.buckets[i],
-                                                            self.grad_comm_dtype))
+                                                            self._dense_wire))
             else:
                 received.append(self._sparse_launch(i))
         gs = []

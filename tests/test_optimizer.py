@@ -17,6 +17,7 @@ from dist import run_ranks
 
 import scape
 from scape.rules import block_budget
+from scape.wire import segment_bytes
 
 SHAPES = [(37, 19), (300,), (5, 7, 11)]  # sizes that need padding
 
@@ -109,6 +110,10 @@ CONFIGS = {
     "explore1": dict(sparsity=0.9, warmup_steps=2, explore=1.0),
     "no_ef": dict(sparsity=0.9, warmup_steps=2, error_feedback=False),
     "bf16": dict(sparsity=0.9, warmup_steps=2, dtype=torch.bfloat16),
+    # the 8-bit wire (scape.wire): codes and row scales, the coding error kept as residual
+    "int8": dict(sparsity=0.9, warmup_steps=2, grad_comm_dtype=torch.int8),
+    "int8_bf16": dict(sparsity=0.99, warmup_steps=2, grad_comm_dtype=torch.int8,
+                      dtype=torch.bfloat16),
     "set_to_none": dict(sparsity=0.9, warmup_steps=2, set_to_none=True),
     "lazy": dict(sparsity=0.9, warmup_steps=2, update="lazy"),
     "sqrt": dict(sparsity=0.9, warmup_steps=2, update="sqrt"),
@@ -201,6 +206,9 @@ def _sparse_body(rank, world, names, steps):
                 expect = {"reduce_scatter": K * 4,
                           "all_gather": K * bp + (b.n_pad // block) * k_next * 2,
                           "all_reduce": 8}
+                if opt.grad_comm_dtype == torch.int8:  # every owner's segment instead
+                    del expect["reduce_scatter"]
+                    expect["all_to_all"] = world * segment_bytes(b.shard_size // block, k)
                 if opt.masks[0].next is None:  # next step dense: no mask sync issued
                     expect["all_gather"] = K * bp
                 assert info.bytes == expect, (name, t, info.bytes, expect)
@@ -230,7 +238,7 @@ def _sparse_body(rank, world, names, steps):
 
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_scape_step_invariants(world):
-    names = list(CONFIGS) if world != 3 else ["base", "bf16", "explore1", "lazy"]
+    names = list(CONFIGS) if world != 3 else ["base", "bf16", "explore1", "lazy", "int8"]
     results = run_ranks(_sparse_body, world, names, 9, timeout=300)
     assert all(set(r) == set(names) for r in results)
 

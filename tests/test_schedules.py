@@ -23,9 +23,10 @@ def _groups(seed: int, mixed: bool) -> list[dict]:
             {"params": [ps[2]], "sparsity": 0.0}]
 
 
-def _opt(groups: list[dict], warmup: int = 1, every: int = 0, comm=None) -> scape.SCAPE:
+def _opt(groups: list[dict], warmup: int = 1, every: int = 0, comm=None,
+         wire: torch.dtype = torch.float32) -> scape.SCAPE:
     return scape.SCAPE(groups, lr=1e-3, sparsity=0.99, block_size=256, warmup_steps=warmup,
-                       dense_every=every, comm=comm)
+                       dense_every=every, comm=comm, grad_comm_dtype=wire)
 
 
 def _grads(opt: scape.SCAPE, t: int) -> None:
@@ -35,12 +36,14 @@ def _grads(opt: scape.SCAPE, t: int) -> None:
             p.grad = torch.randn(p.shape, generator=g)
 
 
-@pytest.mark.parametrize("warmup,every,ramp,mixed", [
-    (1, 0, None, False), (2, 0, 5, False), (1, 4, 5, False), (3, 5, 4, True), (2, 3, 0, True)])
-def test_run_bytes_is_what_the_steps_send(warmup, every, ramp, mixed):
+@pytest.mark.parametrize("warmup,every,ramp,mixed,wire", [
+    (1, 0, None, False, torch.float32), (2, 0, 5, False, torch.float32),
+    (1, 4, 5, False, torch.float32), (3, 5, 4, True, torch.float32),
+    (2, 3, 0, True, torch.float32), (2, 0, 5, False, torch.int8), (3, 5, 4, True, torch.int8)])
+def test_run_bytes_is_what_the_steps_send(warmup, every, ramp, mixed, wire):
     steps = 14
     groups = _groups(0, mixed)
-    opt = _opt(groups, warmup, every)
+    opt = _opt(groups, warmup, every, wire=wire)
     sched = None if ramp is None else scape.SparsityRamp(opt, start=0.5, ramp_steps=ramp)
     ends = [0.99, 0.9, 0.0] if mixed else [0.99]
     predicted = run_bytes(opt, steps, start=None if ramp is None else 0.5,

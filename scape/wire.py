@@ -1,0 +1,90 @@
+"""The 8-bit gradient wire of a sparse step (``grad_comm_dtype=torch.int8``).
+
+A sparse step's gradient values go as 8-bit codes with one fp32 scale per mask row
+(:func:`scape.kernels.take_pack8_`: the row's absmax, the codebook of
+:func:`scape.kernels.pack_values`), and what a code does not carry stays in the sender's
+residual, so no gradient mass is lost: it is sent when the coordinate is next selected, as
+an unselected one is. Codes of ranks with different scales cannot be summed on the wire, so
+the reduce-scatter becomes an all-to-all of the same bytes per rank: rank ``r`` receives every
+rank's codes and scales for the rows it owns, decodes them in fp32 and averages in rank order
+(the same on every owner, whatever the backend).
+
+One rank's segment for one owner, in bytes (``n`` = the owner's mask rows, ``k`` = entries
+per row)::
+
+    [ n fp32 scales | n * k codes | 0-3 zero bytes to a multiple of 4 ]
+
+so a sparse step's gradient leg moves ``W * seg`` bytes per rank where the fp32 wire moves
+``4 * W * n * k``: per mask entry ``1 + 4 / k`` bytes plus the padding, against 4 (bf16: 2).
+Dense steps send fp32.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from scape.comm import Communicator
+from scape.kernels import unpack_values
+
+
+def segment_bytes(n_rows: int, k: int) -> int:
+    """Bytes of one rank's segment for one owner of ``n_rows`` mask rows of ``k`` entries."""
+    return -(-(4 * n_rows + n_rows * k) // 4) * 4
+
+
+class Wire8:
+    """The all-to-all layout of one bucket's 8-bit wire (module docstring)."""
+
+    def __init__(self, world: int, n_local: int, k: int, device: torch.device) -> None:
+        self.world, self.n_local, self.k, self.device = world, n_local, k, device
+        self.seg = segment_bytes(n_local, k)
+
+    @staticmethod
+    def decoded(codes: torch.Tensor, scales: torch.Tensor, k: int) -> torch.Tensor:
+        """The fp32 values ``codes`` and ``scales`` deliver (rows of ``k``)."""
+        return unpack_values(codes, scales, k, 8, codes.numel())
+
+    def pack(self, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        """The send buffer: owner ``r``'s segment holds mask rows ``r * n_local`` on."""
+        w, n, k = self.world, self.n_local, self.k
+        parts = [scales.view(w, n).view(torch.uint8).view(w, 4 * n), codes.view(w, n * k)]
+        pad = self.seg - 4 * n - n * k
+        if pad:
+            parts.append(torch.zeros(w, pad, dtype=torch.uint8, device=self.device))
+        return torch.cat(parts, dim=1).view(-1)
+
+    def unpack_mean(self, recv: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """``out`` (fp32, ``n_local * k``) = the mean over ranks of the values in ``recv``."""
+        w, n, k = self.world, self.n_local, self.k
+        segs = recv.view(w, self.seg)
+        scales = segs[:, :4 * n].contiguous().view(torch.float32)
+        codes = segs[:, 4 * n:4 * n + n * k].contiguous()
+        vals = unpack_values(codes.view(-1), scales.view(-1), k, 8, w * n * k).view(w, n * k)
+        torch.sum(vals, dim=0, out=out)
+        return out.div_(w)
+
+    def exchange(self, comm: Communicator, send: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """Start the all-to-all: ``(g, work)``; ``g`` holds the averaged values once
+        ``work.wait()`` returned."""
+        recv = torch.empty_like(send)
+        g = torch.empty(self.n_local * self.k, dtype=torch.float32, device=self.device)
+        return g, _Decode(comm.all_to_all(recv, send), self, recv, g)
+
+
+class _Decode:
+    """The all-to-all's work; waiting it also decodes into ``g``."""
+
+    def __init__(self, work: Any, wire: Wire8, recv: torch.Tensor, g: torch.Tensor) -> None:
+        self.work, self.wire, self.recv, self.g = work, wire, recv, g
+        self.done = False
+
+    def wait(self) -> None:
+        self.work.wait()
+        if not self.done:
+            self.wire.unpack_mean(self.recv, self.g)
+            self.done = True
+
+    def is_completed(self) -> bool:
+        return self.done or self.work.is_completed()
