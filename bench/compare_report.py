@@ -11,6 +11,7 @@ from typing import Any
 from bench.engine.local_sgd_opts import steady_bytes
 from bench.engine.report import fmt, markdown_table
 from scape.rules import block_budget
+from scape.wire import offsets_bytes
 
 SCHEMA = "scape.compare/2"
 HEADLINE = "scape-0.99"
@@ -32,9 +33,18 @@ def ratio(a: float | None, b: float | None) -> float | None:
     return None if a is None or b is None or b == 0 else a / b
 
 
-ENTRY_BYTES = 4 + 4 + 2
-"""Wire bytes per mask coordinate of a SCAPE sparse step: its gradient value (fp32, the
-reduce-scatter), its new parameter value (the all-gather) and its int16 offset (the mask)."""
+ENTRY_BYTES = 4 + 4
+"""Wire bytes per mask coordinate of a SCAPE sparse step besides its offset: its gradient
+value (fp32, the reduce-scatter) and its new parameter value (the all-gather)."""
+
+
+def sparse_step_bytes(n_pad: int, world: int, k_b: int, block: int = 4096,
+                      entry: int = ENTRY_BYTES) -> int:
+    """A SCAPE sparse step's payload per rank over ``n_pad`` coordinates: ``K * entry`` for
+    the values, every rank's ``(n_pad / B / W) * k_b`` offsets packed to ``log2(B)`` bits
+    (:func:`scape.wire.offsets_bytes`) for the next mask, and the 8-byte scalar all-reduce."""
+    return (n_pad // block) * k_b * entry \
+        + world * offsets_bytes(n_pad // block // world * k_b, block) + 8
 
 
 def mask_coords(n_pad: int, sparsity: float, block: int = 4096, explore: float = 0.1) -> int:
@@ -48,9 +58,9 @@ def formula_bytes(run: dict[str, Any], world: int) -> int | None:
     padded coordinates (``run["n_pad"]``), ``K = (N_pad / B) * k_b`` mask coordinates.
 
     DDP all-reduce ``2 * 4 * N``; dense sharded AdamS and DistributedAdamW ``N_pad * (4 + 4)
-    + 8``; a SCAPE sparse step ``K * (4 + 4 + 2) + 8``; top-k ``W * K * (2 + 4)``. None where
-    the row has no single per-step formula (local-step rows, the compute-only floor, a
-    per-group split)."""
+    + 8``; a SCAPE sparse step ``K * (4 + 4) + 8`` and the packed offsets
+    (:func:`sparse_step_bytes`); top-k ``W * K * (2 + 4)``. None where the row has no single
+    per-step formula (local-step rows, the compute-only floor, a per-group split)."""
     cfg, n_pad = run["config"], run.get("n_pad")
     opt = cfg["optimizer"]
     if opt == "adamw_ddp":
@@ -64,8 +74,15 @@ def formula_bytes(run: dict[str, Any], world: int) -> int | None:
     settings = run.get("optimizer_settings", {})
     block = int(settings.get("block_size", 4096))
     explore = float(settings.get("explore", 0.0)) if opt == "scape" else 0.0
-    k = mask_coords(n_pad, cfg["sparsity"], block, explore)
-    return k * ENTRY_BYTES + 8 if opt == "scape" else world * k * 6
+    if opt == "scape":
+        k_b = block_budget(cfg["sparsity"], block, explore)[0]
+        rows = run.get("mask_rows")
+        if not rows:  # one bucket
+            return sparse_step_bytes(n_pad, world, k_b, block)
+        # the buckets' offsets, each rank's packed apart (the embeddings' bucket has its own k)
+        return (n_pad // block) * k_b * ENTRY_BYTES + 8 \
+            + sum(world * offsets_bytes(n * k, block) for n, k in rows)
+    return world * mask_coords(n_pad, cfg["sparsity"], block, explore) * 6
 
 
 def quality_table(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -181,14 +181,17 @@ def mask_size(n: int, world: int, sparsity: float, block_size: int = 4096) -> in
 
 
 def bytes_per_step(n: int, world: int, sparsity: float, grad_bytes: int = 2,
-                   param_bytes: int = 2, block_size: int = 4096) -> int:
+                   param_bytes: int = 2, block_size: int = 4096, offset_bits: int = 16) -> int:
     """Bytes on the wire per rank per step (DESIGN §1, ring factor dropped).
 
     ``sparsity == 0``: dense sharded AdamS, ``N*(b_g + b_p)``. Otherwise SCAPE,
-    ``K*(b_g + b_p + 2)`` (compact gradients, compact parameters, int16 mask offsets)."""
+    ``K*(b_g + b_p) + ceil(K * offset_bits / 8)`` (compact gradients, compact parameters, the
+    mask offsets). The projection's model keeps the paper's int16 offsets (``offset_bits=16``);
+    the library packs them to ``log2(B)`` bits (12 at B = 4096: :mod:`scape.wire`)."""
     if sparsity == 0.0:
         return n * (grad_bytes + param_bytes)
-    return mask_size(n, world, sparsity, block_size) * (grad_bytes + param_bytes + 2)
+    k = mask_size(n, world, sparsity, block_size)
+    return k * (grad_bytes + param_bytes) + -(-(k * offset_bits) // 8)
 
 
 def ring_time(nbytes: float, world: int, hw: Hardware) -> float:

@@ -45,6 +45,11 @@ OPTIMIZERS = {
     "dist_adamw": ("dist_adamw", 0.0, {}),
 }
 """Row name -> (:mod:`bench.engine.optimizers` entry, sparsity, keyword arguments)."""
+WIRE8_ROWS = {
+    "scape_0.9_int8": ("scape", 0.9, {"warmup_steps": 1, "grad_comm_dtype": "int8"}),
+    "scape_0.99_int8": ("scape", 0.99, {"warmup_steps": 1, "grad_comm_dtype": "int8"}),
+}
+"""The 8-bit wire's rows (``--int8``), timed beside the others."""
 
 
 def build(model_name: str, world: int, kind: str, update: str | None = None,
@@ -57,7 +62,7 @@ def build(model_name: str, world: int, kind: str, update: str | None = None,
     params: Any = list(model.parameters())
     if groups:
         params = [{k: v for k, v in g.items() if k != "name"} for g in param_groups(model, 0.1)]
-    name, sparsity, kw = OPTIMIZERS[kind]
+    name, sparsity, kw = {**OPTIMIZERS, **WIRE8_ROWS}[kind]
     if update and name in ("adams", "scape"):
         kw = dict(kw, update=update)
     spec = optimizers.Spec(lr=1e-3, sparsity=sparsity, kwargs=kw)
@@ -141,6 +146,8 @@ def main(argv: list[str] | None = None) -> int:
                     "(default: the library's default)")
     ap.add_argument("--groups", action="store_true", help="decay and no_decay param groups "
                     "instead of one group")
+    ap.add_argument("--int8", action="store_true", help="also the SCAPE rows with the 8-bit "
+                    "wire (grad_comm_dtype=torch.int8)")
     args = ap.parse_args(argv)
     if args.smoke:
         args.model, args.world, args.steps = "tiny", 2, 3
@@ -148,7 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     update = args.update or inspect.signature(scape.SCAPE).parameters["update"].default
     if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: torch.cuda.is_available() is False")
-    rows = time_steps(args.model, args.world, list(OPTIMIZERS), args.steps, warm=3,
+    kinds = list(OPTIMIZERS) + (list(WIRE8_ROWS) if args.int8 else [])
+    rows = time_steps(args.model, args.world, kinds, args.steps, warm=3,
                       update=update, device=args.device, profile=args.profile,
                       groups=args.groups)
     for r in rows:

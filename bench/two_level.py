@@ -57,6 +57,7 @@ from bench.engine import netns_nodes
 from bench.engine.netns import available
 from bench.engine.run_config import RunConfig
 from bench.engine.runner import run
+from scape.wire import offsets_bytes
 
 SCHEMA = "scape.two_level/1"
 NODES, PER_NODE = 2, 2
@@ -85,12 +86,18 @@ def formula(row: str, n_pad: int, block: int = 4096, explore: float = 0.1
             ) -> dict[str, int] | None:
     """Payload bytes per steady step per rank by level (fp32 wire, docs/design.md §1)."""
     k = mask_coords(n_pad, 0.99, block, explore)
+    world = NODES * PER_NODE
+    per_rank = offsets_bytes(k // world, block)  # one rank's packed offsets of the next mask
     if row == "two_level":
-        return {"inter": k // PER_NODE * ENTRY_BYTES + 8, "intra": n_pad * 4 + k * (4 + 2) + 8}
+        return {"inter": k // PER_NODE * ENTRY_BYTES + NODES * per_rank + 8,
+                "intra": n_pad * 4 + k * 4 + world * per_rank + 8}
     if row == "dense_hsdp":
         return {"inter": n_pad // PER_NODE * 8 + 8, "intra": n_pad * 8 + 8}
-    if row in ("flat", "fsdp2_scape"):  # (fsdp2: n_pad is the rank's local shard)
-        return {"flat": k * ENTRY_BYTES + 8}
+    if row == "flat":
+        return {"flat": k * ENTRY_BYTES + world * per_rank + 8}
+    if row == "fsdp2_scape":  # n_pad: the rank's local shard; SCAPE over the NODES replicas
+        per_replica = offsets_bytes(k // NODES, block)
+        return {"flat": k * ENTRY_BYTES + NODES * per_replica + 8}
     return None
 
 

@@ -39,12 +39,15 @@ def batch(step: int, rank: int, world: int, true_w: torch.Tensor):
 
 
 def expected_sparse_bytes(opt: scape.SCAPE) -> int:
-    """README "Cost": ``K * (b_g + b_p + 2) + 8`` per sparse bucket, summed."""
+    """README "Cost": ``K * (b_g + b_p) + W * ceil(K / W * log2(B) / 8) + 8`` per sparse
+    bucket, summed (the next mask's offsets packed to ``log2(B)`` bits)."""
     total = 8
+    bits = max(8, BLOCK.bit_length() - 1)
     for b in opt.buckets:
         k_b = max(1, round((1 - opt.param_groups[b.group]["sparsity"]) * BLOCK))
         n_pad = -(-b.numel // (b.world * BLOCK)) * b.world * BLOCK
-        total += (n_pad // BLOCK) * k_b * (4 + b.param_flat.element_size() + 2)
+        total += (n_pad // BLOCK) * k_b * (4 + b.param_flat.element_size())
+        total += b.world * -(-(n_pad // BLOCK // b.world * k_b * bits) // 8)
     return total
 
 

@@ -10,7 +10,15 @@ package is imported (unset: ``auto``).
 from ._checks import BACKENDS, backend, get_backend, set_backend
 from .catchup import catchup_agree_
 from .moments import adams_dense_, adams_sparse_, adamw_dense_
-from .pack import absmax_scales, pack_values, packed_nbytes, take_pack8_, unpack_values
+from .pack import (
+    absmax_scales,
+    pack_offsets,
+    pack_values,
+    packed_nbytes,
+    take_pack8_,
+    unpack_offsets,
+    unpack_values,
+)
 from .reference import restore_ages_
 from .select import gain_topk, noise_gain_topk_
 from .sparse import gather, scatter_, take_
@@ -41,4 +49,6 @@ __all__ = [
     "packed_nbytes",
     "absmax_scales",
     "take_pack8_",
+    "pack_offsets",
+    "unpack_offsets",
 ]

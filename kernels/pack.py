@@ -329,3 +329,124 @@ def take_pack8_(src: torch.Tensor, idx: torch.Tensor, block_size: int, *,
     else:
         take_pack8_ref(src, idx, block_size, codes, scales)
     return codes, scales
+
+
+# --------------------------------------------------------------------------- mask offsets
+# A mask's int16 block-local offsets lie in [0, B) with B a power of two, so log2(B) bits
+# carry each (12 at B = 4096): ``n`` offsets take ``ceil(n * bits / 8)`` bytes, offset ``i``
+# at bits ``[i * bits, (i + 1) * bits)`` of the little-endian stream. With ``bits >= 8`` a
+# byte holds parts of at most two offsets, so each byte is made from two loads; an offset
+# spans at most three bytes, so each is read back from three.
+OFFSET_TILE = 1024
+
+
+@triton.jit
+def _pack_offsets_kernel(p_idx, p_out, n, n_bytes, BITS: tl.constexpr, TILE: tl.constexpr):
+    byte = tl.program_id(0).to(tl.int64) * TILE + tl.arange(0, TILE)
+    m_byte = byte < n_bytes
+    bit = byte * 8
+    i0 = bit // BITS
+    i1 = i0 + 1
+    v0 = tl.load(p_idx + i0, mask=m_byte & (i0 < n), other=0).to(tl.int32) & ((1 << BITS) - 1)
+    v1 = tl.load(p_idx + i1, mask=m_byte & (i1 < n) & (i1 * BITS < bit + 8),
+                 other=0).to(tl.int32) & ((1 << BITS) - 1)
+    b_byte = (v0 >> (bit - i0 * BITS).to(tl.int32)) | (v1 << (i1 * BITS - bit).to(tl.int32))
+    tl.store(p_out + byte, (b_byte & 255).to(tl.uint8), mask=m_byte)
+
+
+@triton.jit
+def _unpack_offsets_kernel(p_packed, p_out, n_seg, seg_bytes, n, BITS: tl.constexpr,
+                           TILE: tl.constexpr):
+    i = tl.program_id(0).to(tl.int64) * TILE + tl.arange(0, TILE)
+    m_i = i < n
+    seg = i // n_seg
+    bit = (i % n_seg) * BITS
+    base = seg * seg_bytes + bit // 8
+    end = seg * seg_bytes + seg_bytes
+    b0 = tl.load(p_packed + base, mask=m_i, other=0).to(tl.int32)
+    b1 = tl.load(p_packed + base + 1, mask=m_i & (base + 1 < end), other=0).to(tl.int32)
+    b2 = tl.load(p_packed + base + 2, mask=m_i & (base + 2 < end), other=0).to(tl.int32)
+    word = b0 | (b1 << 8) | (b2 << 16)
+    v = (word >> (bit % 8).to(tl.int32)) & ((1 << BITS) - 1)
+    tl.store(p_out + i, v.to(tl.int16), mask=m_i)
+
+
+def offset_bits(block_size: int) -> int:
+    """Bits per packed offset of a mask over blocks of ``block_size`` (a power of two)."""
+    return max(8, int(block_size).bit_length() - 1)
+
+
+def pack_offsets_ref(idx: torch.Tensor, bits: int, out: torch.Tensor) -> torch.Tensor:
+    """Torch implementation of :func:`pack_offsets`."""
+    n, n_bytes = idx.numel(), out.numel()
+    v = idx.to(torch.int64) & ((1 << bits) - 1)
+    bit = torch.arange(n_bytes, dtype=torch.int64, device=idx.device) * 8
+    i0 = bit // bits
+    i1 = i0 + 1
+    v0 = torch.where(i0 < n, v[i0.clamp(max=n - 1)], 0)
+    ok1 = (i1 < n) & (i1 * bits < bit + 8)
+    v1 = torch.where(ok1, v[i1.clamp(max=n - 1)], 0)
+    out.copy_(((v0 >> (bit - i0 * bits)) | (v1 << (i1 * bits - bit))) & 255)
+    return out
+
+
+def unpack_offsets_ref(packed: torch.Tensor, n_seg: int, bits: int,
+                       out: torch.Tensor) -> torch.Tensor:
+    """Torch implementation of :func:`unpack_offsets`."""
+    seg_bytes = packed_nbytes(n_seg, bits)
+    i = torch.arange(out.numel(), dtype=torch.int64, device=packed.device)
+    seg, bit = i // n_seg, (i % n_seg) * bits
+    base = seg * seg_bytes + bit // 8
+    end = seg * seg_bytes + seg_bytes
+    p = torch.cat([packed.to(torch.int64), packed.new_zeros(2, dtype=torch.int64)])
+    word = p[base] | torch.where(base + 1 < end, p[base + 1], 0) << 8 \
+        | torch.where(base + 2 < end, p[base + 2], 0) << 16
+    out.copy_((word >> (bit % 8)) & ((1 << bits) - 1))
+    return out
+
+
+def pack_offsets(idx: torch.Tensor, block_size: int, *,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """A mask's offsets (int16, 1-D, each in ``[0, block_size)``) as a stream of
+    :func:`offset_bits` bits each: uint8 of ``packed_nbytes(n, bits)`` (unused high bits of
+    the last byte zero). Offsets outside the range are not checked (it would read them)."""
+    check_tensor("idx", idx, dtypes=(torch.int16,), ndim=1)
+    bits = offset_bits(check_block_size(block_size))
+    n = idx.numel()
+    if n == 0:
+        raise ValueError("idx must not be empty")
+    n_bytes = packed_nbytes(n, bits)
+    if out is None:
+        out = torch.empty(n_bytes, dtype=torch.uint8, device=idx.device)
+    check_tensor("out", out, dtypes=(torch.uint8,), ndim=1)
+    check_numel("out", out, n_bytes, f"ceil({n} * {bits} / 8) packed bytes")
+    check_same_device(idx=idx, out=out)
+    if use_triton(idx):
+        _pack_offsets_kernel[(triton.cdiv(n_bytes, OFFSET_TILE),)](
+            idx, out, n, n_bytes, BITS=bits, TILE=OFFSET_TILE, num_warps=4)
+        return out
+    return pack_offsets_ref(idx, bits, out)
+
+
+def unpack_offsets(packed: torch.Tensor, n_seg: int, block_size: int, *,
+                   out: torch.Tensor) -> torch.Tensor:
+    """Read back ``out.numel()`` offsets from ``packed``: consecutive segments of
+    ``packed_nbytes(n_seg, bits)`` bytes, each one :func:`pack_offsets` of ``n_seg`` offsets
+    (every rank's in an all-gather), into ``out`` (int16, 1-D, a multiple of ``n_seg``)."""
+    check_tensor("packed", packed, dtypes=(torch.uint8,), ndim=1)
+    bits = offset_bits(check_block_size(block_size))
+    check_tensor("out", out, dtypes=(torch.int16,), ndim=1)
+    if isinstance(n_seg, bool) or not isinstance(n_seg, int) or n_seg < 1 \
+            or out.numel() % n_seg:
+        raise ValueError(f"n_seg must be a positive divisor of out's {out.numel()} offsets; "
+                         f"got {n_seg!r}")
+    seg_bytes = packed_nbytes(n_seg, bits)
+    check_numel("packed", packed, out.numel() // n_seg * seg_bytes,
+                f"{out.numel() // n_seg} segments of {seg_bytes} bytes")
+    check_same_device(packed=packed, out=out)
+    if use_triton(packed):
+        n = out.numel()
+        _unpack_offsets_kernel[(triton.cdiv(n, OFFSET_TILE),)](
+            packed, out, n_seg, seg_bytes, n, BITS=bits, TILE=OFFSET_TILE, num_warps=4)
+        return out
+    return unpack_offsets_ref(packed, n_seg, bits, out)

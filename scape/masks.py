@@ -15,6 +15,7 @@ class MaskState:
         self.n_blocks, self.n_local = n_blocks, n_local
         self.current: torch.Tensor | None = None  # mask of the last sparse step [n_blocks, k]
         self.next: torch.Tensor | None = None  # mask for the next sparse step [n_blocks, k]
+        # (its contents valid once wait() returned: the packed all-gather unpacks into it)
         self.work: Any = None  # the all-gather filling `next`, if still in flight
         self.local: torch.Tensor | None = None  # this rank's rows of `next`
         self.made: torch.Tensor | None = None  # the next local mask, made before the take

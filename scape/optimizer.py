@@ -10,10 +10,11 @@ every rank)::
     all-gather  the new values (async)               -> scatter into every model
     mask        M_{t+1} = per-block top-|score| (+ oldest by age) of the own shard
                 (score: the rule's; the first moment ``m`` in DESIGN §1)
-    all-gather  M_{t+1} (int16, async)               -> waited at step t+1's take
+    all-gather  M_{t+1} (log2(B) bits each, async)   -> waited at step t+1's take
 
-Bytes per rank and sparse step: ``K * (b_g + b_p + 2)`` plus the 8-byte scalar all-reduce,
-with ``K = W * (S / B) * k_b``, ``k_b = max(1, round(density * B))``.
+Bytes per rank and sparse step: ``K * (b_g + b_p + log2(B) / 8)`` (each rank's offsets
+rounded up to a byte) plus the 8-byte scalar all-reduce, with ``K = W * (S / B) * k_b``,
+``k_b = max(1, round(density * B))``; :mod:`scape.wire` for the 8-bit gradient wire.
 
 A sparse group's ``sparsity`` may change between steps, like its ``lr`` (a sparsity warm-up,
 :func:`scape.sparsity_ramp`): the mask of step t+1 is made at the end of step t from the
@@ -43,7 +44,7 @@ from scape.rules import ShardState, block_budget
 from scape.schedules import RAMP_START, sparsity_ramp, start_ramp_steps
 from scape.sharded import ShardedOptimizer, _Pending, positional_error
 from scape.two_level import NodeLevel
-from scape.wire import Wire8
+from scape.wire import Wire8, share_offsets
 
 DIAG_FULL_EVERY = 10
 """Diagnostics that read the whole shard (``updated_last_100``) refresh this often; the
@@ -95,7 +96,8 @@ class SCAPE(ShardedOptimizer):
                  grad_comm_dtype: torch.dtype = torch.float32,
                  comm: Communicator | None = None) -> None:
         self._call_error = positional_error(self.name, args, lr)
-        self._two_level = isinstance(comm, HierarchicalCommunicator)
+        self._two_level = isinstance(comm, HierarchicalCommunicator) or (  # or a 2-D mesh
+            type(comm).__name__ == "DeviceMesh" and getattr(comm, "ndim", 1) == 2)
         self.warmup_steps = warmup_steps
         self.dense_every = dense_every
         self.total_steps = total_steps
@@ -444,8 +446,8 @@ class SCAPE(ShardedOptimizer):
                     diag["updated_last_100"] = (s.age < 100).float().mean()
             full = torch.empty(mask_state.n_blocks, mask_state.k, dtype=torch.int16,
                                device=b.device)
-            with phase("scape/mask_sync", b.device):
-                mask_state.work = self.comm.all_gather(full.view(-1), idx.view(-1))
+            with phase("scape/mask_sync", b.device):  # log2(B) bits per offset on the wire
+                mask_state.work = share_offsets(self.comm, idx, full, self.block_size)
             mask_state.next, mask_state.local = full, idx
 
     # ------------------------------------------------------------------ state

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from scape import config
-from scape.wire import segment_bytes
+from scape.wire import offsets_bytes, segment_bytes
 
 SCAPE = Any
 """What the functions here take: a :class:`scape.SCAPE` (``scape.optimizer`` imports this
@@ -119,8 +119,8 @@ def run_bytes(opt: SCAPE, total_steps: int, *, start: float | None = None,
 
 
 def _run_bytes(opt: SCAPE, total_steps: int, start: float | None, ramp_steps: int,
-               ends: list[float], fp32_wire: bool = False) -> float:
-    wire = torch.float32 if fp32_wire else opt.grad_comm_dtype
+               ends: list[float], reference_wire: bool = False) -> float:
+    wire = torch.float32 if reference_wire else opt.grad_comm_dtype
     wire8 = wire == torch.int8  # scape.wire: codes and row scales
     b_g = 4 if wire8 else wire.itemsize  # a dense step's (and dense AdamS's)
     w, bsz = opt.warmup_steps, opt.block_size
@@ -149,7 +149,9 @@ def _run_bytes(opt: SCAPE, total_steps: int, start: float | None, ramp_steps: in
                     else b.n_pad // bsz * k * b_g
             if opt.masks[i] is not None and t >= w and not next_dense:
                 k = opt.mask_budget(b, sparsity(b.group, t))[0]
-                sent += b.n_pad // bsz * k * 2  # the next mask
+                n_next = b.n_pad // bsz * k  # the next mask's offsets: int16 in the reference
+                sent += n_next * 2 if reference_wire \
+                    else b.world * offsets_bytes(n_next // b.world, bsz)
     return sent / dense_total
 
 
@@ -165,10 +167,10 @@ def longest_ramp(opt: SCAPE, total_steps: int, *, budget: float, start: float = 
 
 
 def _longest_ramp(opt: SCAPE, total_steps: int, budget: float, start: float,
-                  ends: list[float], fp32_wire: bool = False) -> int:
+                  ends: list[float], reference_wire: bool = False) -> int:
     if not 0.0 < budget <= 1.0:
         raise ValueError(f"Invalid budget: {budget} (a fraction of dense's bytes in (0, 1])")
-    no_ramp = _run_bytes(opt, total_steps, None, 0, ends, fp32_wire)
+    no_ramp = _run_bytes(opt, total_steps, None, 0, ends, reference_wire)
     if no_ramp > budget:
         raise ValueError(f"{total_steps} steps of this optimizer send {no_ramp:.4f} of "
                          f"dense's bytes without a ramp, more than the budget {budget:.4f}: "
@@ -176,7 +178,7 @@ def _longest_ramp(opt: SCAPE, total_steps: int, budget: float, start: float,
     lo, hi = 0, max(0, total_steps - opt.warmup_steps)  # bytes grow with the ramp's length
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if _run_bytes(opt, total_steps, start, mid, ends, fp32_wire) <= budget:
+        if _run_bytes(opt, total_steps, start, mid, ends, reference_wire) <= budget:
             lo = mid
         else:
             hi = mid - 1
@@ -189,16 +191,18 @@ def start_ramp_steps(opt: SCAPE, total_steps: int | None) -> int:
     :data:`RAMP_REFERENCE` (:func:`longest_ramp` from :data:`RAMP_START`); 0 where not even
     no ramp fits (a run of a few steps, or many dense ones); :data:`RAMP_STEPS_UNSIZED` for
     ``total_steps=None``. The same on every rank (it reads the layout only). A two-level
-    optimizer is sized by the same formula over its buckets. The bytes are counted with fp32
-    gradients whatever ``grad_comm_dtype`` is, so the start does not depend on the wire: a
-    smaller wire lowers the whole run's bytes instead of buying a longer ramp."""
+    optimizer is sized by the same formula over its buckets. The bytes are counted on the
+    reference wire, fp32 gradients and int16 offsets, whatever the wire is
+    (``grad_comm_dtype``, the packed offsets of :mod:`scape.wire`), so the start does not
+    depend on the wire: a smaller wire lowers the whole run's bytes instead of buying a
+    longer ramp."""
     if not any(g["sparsity"] > 0 for g in opt.param_groups):
         return 0  # nothing to ramp
     if total_steps is None:
         return RAMP_STEPS_UNSIZED
     ends = [RAMP_REFERENCE if g["sparsity"] > 0 else 0.0 for g in opt.param_groups]
     try:
-        return _longest_ramp(opt, total_steps, RAMP_BUDGET, RAMP_START, ends, fp32_wire=True)
+        return _longest_ramp(opt, total_steps, RAMP_BUDGET, RAMP_START, ends, reference_wire=True)
     except ValueError:  # even no ramp sends more than the budget
         return 0
 

@@ -1,5 +1,11 @@
-"""The 8-bit gradient wire of a sparse step (``grad_comm_dtype=torch.int8``).
+"""The compact parts of a sparse step's wire: the 8-bit gradient wire
+(``grad_comm_dtype=torch.int8``) and the packed mask offsets (every wire).
 
+**Mask offsets.** The next mask's block-local offsets travel as ``log2(B)`` bits each (12 at
+``B = 4096``; :func:`scape.kernels.pack_offsets`), every rank's ``n k`` of them in
+``ceil(n k log2(B) / 8)`` bytes, unpacked into the int16 mask when the all-gather is waited.
+
+**Gradients.**
 A sparse step's gradient values go as 8-bit codes with one fp32 scale per mask row
 (:func:`scape.kernels.take_pack8_`: the row's absmax, the codebook of
 :func:`scape.kernels.pack_values`), and what a code does not carry stays in the sender's
@@ -26,7 +32,8 @@ from typing import Any
 import torch
 
 from scape.comm import Communicator
-from scape.kernels import unpack_values
+from scape.kernels import pack_offsets, packed_nbytes, unpack_offsets, unpack_values
+from scape.kernels.pack import offset_bits
 
 
 def segment_bytes(n_rows: int, k: int) -> int:
@@ -84,6 +91,39 @@ class _Decode:
         self.work.wait()
         if not self.done:
             self.wire.unpack_mean(self.recv, self.g)
+            self.done = True
+
+    def is_completed(self) -> bool:
+        return self.done or self.work.is_completed()
+
+
+def offsets_bytes(n: int, block_size: int) -> int:
+    """Bytes of one rank's ``n`` packed mask offsets."""
+    return packed_nbytes(n, offset_bits(block_size))
+
+
+def share_offsets(comm: Communicator, local: torch.Tensor, full: torch.Tensor,
+                  block_size: int) -> Any:
+    """Start the all-gather of every rank's mask rows ``local`` (int16 ``[n, k]``) into
+    ``full`` (``[W n, k]``), packed; the work's ``wait()`` also unpacks."""
+    packed = pack_offsets(local.view(-1), block_size)
+    recv = torch.empty(comm.world_size * packed.numel(), dtype=torch.uint8, device=local.device)
+    return _Offsets(comm.all_gather(recv, packed), recv, full, local.numel(), block_size)
+
+
+class _Offsets:
+    """The packed mask's all-gather; waiting it also unpacks into the mask."""
+
+    def __init__(self, work: Any, recv: torch.Tensor, full: torch.Tensor, n_seg: int,
+                 block_size: int) -> None:
+        self.work, self.recv, self.full = work, recv, full
+        self.n_seg, self.block_size = n_seg, block_size
+        self.done = False
+
+    def wait(self) -> None:
+        self.work.wait()
+        if not self.done:
+            unpack_offsets(self.recv, self.n_seg, self.block_size, out=self.full.view(-1))
             self.done = True
 
     def is_completed(self) -> bool:

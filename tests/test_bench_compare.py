@@ -12,6 +12,7 @@ import pytest
 import torch
 from dist import run_ranks
 
+import bench.research  # noqa: F401 (registers the research rows named below)
 from bench.compare import QUALITY, make_configs, resolve_device, sync_warnings
 from bench.compare_report import (
     evaluate_targets,
@@ -258,9 +259,11 @@ def test_compare_tables_targets_and_headline():
     ("adamw_ddp", 0.0, 2 * 4 * 70_000),
     ("adams", 0.0, 8 * 81_920 + 8),
     ("dist_adamw", 0.0, 8 * 81_920 + 8),
-    # 20 blocks of 4096; k_b = round_half_up(0.01 * 4096) = 41; 0.9: 410
-    ("scape", 0.99, 20 * 41 * 10 + 8),
-    ("scape", 0.9, 20 * 410 * 10 + 8),
+    # 20 blocks of 4096; k_b = round_half_up(0.01 * 4096) = 41; 0.9: 410; 8 bytes of values
+    # per entry, and each of the 4 ranks' 5 * k_b offsets at 12 bits (205 -> 308 bytes,
+    # 2050 -> 3075 bytes)
+    ("scape", 0.99, 20 * 41 * 8 + 4 * 308 + 8),
+    ("scape", 0.9, 20 * 410 * 8 + 4 * 3075 + 8),
     ("topk", 0.99, 4 * 20 * 41 * 6),
 ])
 def test_formula_bytes(opt, sparsity, expected):

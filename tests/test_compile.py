@@ -60,6 +60,16 @@ def _specs(dt: str) -> list[tuple[str, object, dict, dict, int]]:
                       {"p_src": "*fp32", "p_idx": "*i16", "p_codes": "*u8", "p_scales": "*fp32",
                        **common}, {"BLOCK_SIZE": 4096, "K_TILE": pcfg["K_TILE"]},
                       pcfg["num_warps"]))
+    for block in (4096, 32768):
+        bits = pack.offset_bits(block)
+        specs.append((f"pack_offsets B={block}", pack._pack_offsets_kernel,
+                      {"p_idx": "*i16", "p_out": "*u8", "n": "i32", "n_bytes": "i32",
+                       "BITS": "constexpr", "TILE": "constexpr"},
+                      {"BITS": bits, "TILE": pack.OFFSET_TILE}, 4))
+        specs.append((f"unpack_offsets B={block}", pack._unpack_offsets_kernel,
+                      {"p_packed": "*u8", "p_out": "*i16", "n_seg": "i32", "seg_bytes": "i32",
+                       "n": "i32", "BITS": "constexpr", "TILE": "constexpr"},
+                      {"BITS": bits, "TILE": pack.OFFSET_TILE}, 4))
     f32s = {n: "fp32" for n in ("lr", "beta1", "beta2", "eps")}
     dense = {"TILE": moments.DENSE_TILE, "HAS_OUT": True}
     sparse_sig = {"p_p": "*fp32", "p_m": "*fp32", "p_age": "*i32", "p_g": f"*{dt}",

@@ -94,25 +94,32 @@ def _check_bytes(r: dict) -> None:
     unit = w * b
     n_pad = [-(-n // unit) * unit for n in r["group_numels"]]
     got, groups, apart = r["bucket_n_pad"], r["bucket_group"], r["bucket_apart"]
-    k = 0
+    k = offsets = 0  # K, and the next mask's packed offsets: log2(B) bits, per rank
+    bits = b.bit_length() - 1
+
+    def packed(n: int) -> int:
+        return w * -(-(n * bits) // 8)
+
     for g, want in enumerate(n_pad):
         mine = [(n, a) for n, gg, a in zip(got, groups, apart) if gg == g]
         assert all(n % unit == 0 for n, _ in mine), mine
         if len(mine) == 1:  # one bucket: the group padded as a whole
             assert mine[0][0] == want and not mine[0][1], (want, mine)
             k += w * (want // w // b) * _k_b(s, b)
+            offsets += packed((want // w // b) * _k_b(s, b))
             continue
         assert sorted(a for _, a in mine) == [False, True] and sum(n for n, _ in mine) >= want
         share = sum(n for n, a in mine if a) / sum(n for n, _ in mine)
         k_e, k_r = split_budget(_k_b(s, b), b, share)
         k += sum(w * (n // w // b) * (k_e if a else k_r) for n, a in mine)
+        offsets += sum(packed((n // w // b) * (k_e if a else k_r)) for n, a in mine)
     b_g, b_p = r["grad_bytes"], r["param_bytes"]
     scalar = SCALAR_BYTES + (CLIP_BYTES if r["max_grad_norm"] is not None else 0)
     sparse = r["sparse_step"]
     assert sparse is not None and sparse["dense"] is False
-    assert sparse["bytes"] == {"reduce_scatter": k * b_g, "all_gather": k * (b_p + 2),
+    assert sparse["bytes"] == {"reduce_scatter": k * b_g, "all_gather": k * b_p + offsets,
                                "all_reduce": scalar}, sparse["bytes"]
-    assert sum(sparse["bytes"].values()) == k * (b_g + b_p + 2) + scalar
+    assert sum(sparse["bytes"].values()) == k * (b_g + b_p) + offsets + scalar
     dense = r.get("dense_step")
     if dense is not None and dense["step"] == 1:  # the first step: no mask in flight yet
         want = sum(got) * (b_g + b_p) + scalar

@@ -256,7 +256,8 @@ def _state_digest(opt, model):
         h += [(name, sha(t)) for name, t in sorted(opt.state_tensors(s).items())]
         h.append(("residual", sha(opt.residual(i))))
         m = opt.masks[i]
-        h.append(("mask", None if m is None or m.next is None else sha(m.next)))
+        nxt = None if m is None else m.wait()  # the next mask, its all-gather completed
+        h.append(("mask", None if nxt is None else sha(nxt)))
     return h
 
 

@@ -17,7 +17,7 @@ from dist import run_ranks
 
 import scape
 from scape.rules import block_budget
-from scape.wire import segment_bytes
+from scape.wire import offsets_bytes, segment_bytes
 
 SHAPES = [(37, 19), (300,), (5, 7, 11)]  # sizes that need padding
 
@@ -204,7 +204,8 @@ def _sparse_body(rank, world, names, steps):
                 k_next, _ = block_budget(opt.sparsity_at(0, opt.step_count), block,
                                          cfg.get("explore", 0.1))  # the next mask's budget
                 expect = {"reduce_scatter": K * 4,
-                          "all_gather": K * bp + (b.n_pad // block) * k_next * 2,
+                          "all_gather": K * bp + world * offsets_bytes(
+                              b.shard_size // block * k_next, block),  # 8 bits at B=256
                           "all_reduce": 8}
                 if opt.grad_comm_dtype == torch.int8:  # every owner's segment instead
                     del expect["reduce_scatter"]

@@ -163,11 +163,11 @@ def test_sparse_step_bytes_per_level_match_the_formula():
             inter = sum(v for key, v in by.items() if key.startswith("inter/"))
             intra = sum(v for key, v in by.items() if key.startswith("intra/"))
             assert info["mask_size"] == k
-            # across nodes: this slice's K/G values (fp32 gradient, fp32 parameter, int16
-            # offset) and the 8-byte scalar all-reduce
-            assert inter == k // PER_NODE * (4 + 4 + 2) + 8
+            # across nodes: this slice's K/G values (fp32 gradient, fp32 parameter), the
+            # offsets (8 bits at B=256) and the 8-byte scalar all-reduce
+            assert inter == k // PER_NODE * (4 + 4 + 1) + 8
             # inside the node: the dense gradient, then the K new values and offsets
-            assert intra == n_pad * 4 + k * (4 + 2) + 8
+            assert intra == n_pad * 4 + k * (4 + 1) + 8
             assert info["levels"] == (intra, inter)  # StepInfo.intra_bytes, .inter_bytes
 
 
@@ -306,3 +306,24 @@ def test_resume_through_dcp(tmp_path, layout):
     resumed = run_ranks(_dcp_run, 4, str(tmp_path / "c"), "load", layout, timeout=180)
     for a, b in zip(whole, resumed):
         assert (a == b).all()  # bit-exact, on every rank
+
+
+def _int8_refused(rank: int, world: int) -> list[str]:
+    import scape
+
+    said = []
+    for make in (lambda: scape.SCAPE(_model(), lr=1e-2, block_size=B,
+                                     grad_comm_dtype=torch.int8, comm=_comm("hier")),
+                 lambda: scape.DistributedAdamW(_model(), lr=1e-2, grad_comm_dtype=torch.int8)):
+        try:
+            make()
+        except ValueError as e:
+            said.append(str(e))
+    return said
+
+
+def test_the_8bit_wire_is_refused_on_two_levels_and_by_adamw_on_every_rank():
+    for said in run_ranks(_int8_refused, 4, timeout=120):
+        assert len(said) == 2, said
+        assert "one level only" in said[0]
+        assert "Invalid grad_comm_dtype: torch.int8" in said[1]

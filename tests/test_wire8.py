@@ -89,3 +89,40 @@ def test_validation_messages():
     with pytest.raises(ValueError, match="scales"):
         kernels.take_pack8_(src, idx, 256, scales=torch.empty(3))
     assert pack.take_pack8_config(41)["K_TILE"] == 64
+
+
+# ------------------------------------------------------------------- packed mask offsets
+@pytest.mark.parametrize("block", [256, 4096, 32768])
+@pytest.mark.parametrize("n,world", [(1, 1), (3, 2), (287, 3), (1000, 4)])
+def test_offsets_pack_to_log2_block_bits_and_back(block, n, world, kernel_backend):
+    bits = pack.offset_bits(block)
+    assert bits == block.bit_length() - 1
+    segs = [torch.randint(0, block, (n,), dtype=torch.int16, generator=_gen(block, n, r))
+            for r in range(world)]
+    got = {}
+    for name in ("triton", "torch"):
+        kernel_backend(name)
+        packed = [kernels.pack_offsets(s, block) for s in segs]
+        assert all(p.numel() == kernels.packed_nbytes(n, bits) for p in packed)
+        back = torch.full((world * n,), -1, dtype=torch.int16)
+        kernels.unpack_offsets(torch.cat(packed), n, block, out=back)
+        assert torch.equal(back, torch.cat(segs)), name
+        got[name] = torch.cat(packed)
+    assert torch.equal(got["triton"], got["torch"])
+    # the stream, read bit by bit in Python's integers
+    data = got["torch"][:kernels.packed_nbytes(n, bits)].tolist()
+    word = sum(b << (8 * i) for i, b in enumerate(data))
+    assert [(word >> (i * bits)) & ((1 << bits) - 1) for i in range(n)] == segs[0].tolist()
+    assert word >> (n * bits) == 0, "unused high bits must be zero"
+
+
+def test_offset_validation_messages():
+    idx = torch.zeros(6, dtype=torch.int16)
+    with pytest.raises(TypeError, match="idx must have dtype torch.int16"):
+        kernels.pack_offsets(idx.int(), 4096)
+    with pytest.raises(ValueError, match="n_seg"):
+        kernels.unpack_offsets(torch.zeros(9, dtype=torch.uint8), 4, 4096,
+                               out=torch.empty(6, dtype=torch.int16))
+    with pytest.raises(ValueError, match="packed"):
+        kernels.unpack_offsets(torch.zeros(8, dtype=torch.uint8), 3, 4096,
+                               out=torch.empty(6, dtype=torch.int16))

@@ -281,6 +281,8 @@ def _train(cfg: RunConfig, rank: int, world: int) -> dict[str, Any]:
             "wall_s": time.perf_counter() - run.started, "phases": phases,
             "optimizer_settings": settings, "param_sha256": param_digest(module),
             "n_pad": sum(b.n_pad for b in getattr(opt, "buckets", ())) or None,
+            "mask_rows": [[m.n_local, m.k] for m in getattr(opt, "masks", ()) or ()
+                          if m is not None] or None,  # per sparse bucket: rows per rank, k
             "hooks": {path: h.result() for path, h in run.hooks.items()
                       if hasattr(h, "result")},
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}

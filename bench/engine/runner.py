@@ -143,6 +143,7 @@ def summarize(cfg: RunConfig, ranks: list[dict[str, Any]], wall_s: float) -> dic
         "phases": r0["phases"],
         "hooks": r0.get("hooks", {}),
         "n_pad": r0.get("n_pad"),
+        "mask_rows": r0.get("mask_rows"),
         "max_rss_mb_by_rank": [rk.get("max_rss_mb") for rk in ranks],
         "device": r0.get("device", "cpu"),
         "wall_s": wall_s,
