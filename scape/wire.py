@@ -35,6 +35,8 @@ from scape.comm import Communicator
 from scape.kernels import pack_offsets, packed_nbytes, unpack_offsets, unpack_values
 from scape.kernels.pack import offset_bits
 
+__all__ = ["Wire8", "offsets_bytes", "segment_bytes", "share_offsets"]
+
 
 def segment_bytes(n_rows: int, k: int) -> int:
     """Bytes of one rank's segment for one owner of ``n_rows`` mask rows of ``k`` entries."""
