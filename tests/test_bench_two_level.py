@@ -60,9 +60,10 @@ def test_formula_levels():
     k = (n_pad // 4096) * block_budget(0.99, 4096, 0.1)[0]
     two, flat = formula("two_level", n_pad), formula("flat", n_pad)
     assert two is not None and flat is not None
+    offsets = k // 4 * 12 // 8  # one rank's packed offsets (of the 4 ranks; 12 bits each)
     # across nodes a rank sends its slice's share: 1/G of a flat rank's, up to the scalar
-    assert (two["inter"] - 8) * PER_NODE == flat["flat"] - 8 == k * 10
-    assert two["intra"] == n_pad * 4 + k * 6 + 8  # the dense reduce-scatter inside
+    assert (two["inter"] - 8) * PER_NODE == flat["flat"] - 8 == k * 8 + 4 * offsets
+    assert two["intra"] == n_pad * 4 + k * 4 + 4 * offsets + 8  # dense reduce-scatter inside
 
 
 def test_two_level_quick(tmp_path):
