@@ -12,6 +12,7 @@ import sys
 import pytest
 import torch
 
+import bench.research  # noqa: F401 (registers the research rules and rows named below)
 from bench.engine.rows import resolve
 from bench.engine.runner import RunConfig
 from bench.lr_sweep import COMMON, WORKLOADS, make_config
