@@ -38,15 +38,6 @@ ENTRY_BYTES = 4 + 4
 value (fp32, the reduce-scatter) and its new parameter value (the all-gather)."""
 
 
-def sparse_step_bytes(n_pad: int, world: int, k_b: int, block: int = 4096,
-                      entry: int = ENTRY_BYTES) -> int:
-    """A SCAPE sparse step's payload per rank over ``n_pad`` coordinates: ``K * entry`` for
-    the values, every rank's ``(n_pad / B / W) * k_b`` offsets packed to ``log2(B)`` bits
-    (:func:`scape.wire.offsets_bytes`) for the next mask, and the 8-byte scalar all-reduce."""
-    return (n_pad // block) * k_b * entry \
-        + world * offsets_bytes(n_pad // block // world * k_b, block) + 8
-
-
 def mask_coords(n_pad: int, sparsity: float, block: int = 4096, explore: float = 0.1) -> int:
     """``K = (N_pad / B) * k_b``: the coordinates one step's masks take over ``n_pad``."""
     return (n_pad // block) * block_budget(sparsity, block, explore)[0]
@@ -58,9 +49,10 @@ def formula_bytes(run: dict[str, Any], world: int) -> int | None:
     padded coordinates (``run["n_pad"]``), ``K = (N_pad / B) * k_b`` mask coordinates.
 
     DDP all-reduce ``2 * 4 * N``; dense sharded AdamS and DistributedAdamW ``N_pad * (4 + 4)
-    + 8``; a SCAPE sparse step ``K * (4 + 4) + 8`` and the packed offsets
-    (:func:`sparse_step_bytes`); top-k ``W * K * (2 + 4)``. None where the row has no single
-    per-step formula (local-step rows, the compute-only floor, a per-group split)."""
+    + 8``; a SCAPE sparse step ``K * (4 + 4) + 8`` and each rank's offsets packed to
+    ``log2(B)`` bits (:func:`scape.wire.offsets_bytes`); top-k ``W * K * (2 + 4)``. None where
+    the row has no single per-step formula (local-step rows, the compute-only floor, a
+    per-group split)."""
     cfg, n_pad = run["config"], run.get("n_pad")
     opt = cfg["optimizer"]
     if opt == "adamw_ddp":
@@ -76,10 +68,9 @@ def formula_bytes(run: dict[str, Any], world: int) -> int | None:
     explore = float(settings.get("explore", 0.0)) if opt == "scape" else 0.0
     if opt == "scape":
         k_b = block_budget(cfg["sparsity"], block, explore)[0]
-        rows = run.get("mask_rows")
-        if not rows:  # one bucket
-            return sparse_step_bytes(n_pad, world, k_b, block)
-        # the buckets' offsets, each rank's packed apart (the embeddings' bucket has its own k)
+        # each bucket's rows per rank and k (the embeddings' bucket has its own k; a record
+        # without them: one bucket), every rank's offsets packed apart to log2(B) bits
+        rows = run.get("mask_rows") or [[n_pad // block // world, k_b]]
         return (n_pad // block) * k_b * ENTRY_BYTES + 8 \
             + sum(world * offsets_bytes(n * k, block) for n, k in rows)
     return world * mask_coords(n_pad, cfg["sparsity"], block, explore) * 6

@@ -31,7 +31,7 @@ and the training step set with ``set_step()``.
 from __future__ import annotations
 
 import abc
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -83,6 +83,26 @@ class CompletedWork(Work):
 
     def is_completed(self) -> bool:
         return True
+
+
+class FinishedWork(Work):
+    """A collective in flight and a local step that completes its result, run once in
+    ``wait()`` after the collective (on the caller's current stream, as a backend's own
+    ``wait()`` finishes an average); what ``finish`` returns is dropped."""
+
+    def __init__(self, work: Work, finish: Callable[[], object]):
+        self._work = work
+        self._finish: Callable[[], object] | None = finish
+
+    def wait(self) -> None:
+        if self._finish is None:
+            return
+        self._work.wait()
+        self._finish()
+        self._finish = None
+
+    def is_completed(self) -> bool:
+        return self._finish is None or self._work.is_completed()
 
 
 class Communicator(abc.ABC):

@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from .base import OPS, Communicator, Work
+from .base import OPS, Communicator, FinishedWork, Work
 
 LEVELS = ("intra", "inter")
 """The prefixes of the byte counters: inside a node, across nodes."""
@@ -67,26 +67,6 @@ class _Chain(Work):
 
     def is_completed(self) -> bool:
         return self._done or (self._work is not None and self._work.is_completed())
-
-
-class _Finished(Work):
-    """A collective in flight and a local step that completes its result, run once in
-    ``wait()`` after the collective (on the caller's current stream, as a backend's own
-    ``wait()`` finishes an average)."""
-
-    def __init__(self, work: Work, finish: Callable[[], None]):
-        self._work = work
-        self._finish: Callable[[], None] | None = finish
-
-    def wait(self) -> None:
-        if self._finish is None:
-            return
-        self._work.wait()
-        self._finish()
-        self._finish = None
-
-    def is_completed(self) -> bool:
-        return self._finish is None or self._work.is_completed()
 
 
 class HierarchicalCommunicator(Communicator):
@@ -195,7 +175,7 @@ class HierarchicalCommunicator(Communicator):
             def finish() -> None:  # back to the group's order: [a_src, b_src]
                 out.view(per_node, nodes, m).copy_(recv.view(nodes, per_node, m).transpose(0, 1))
 
-            return _Finished(work, finish)
+            return FinishedWork(work, finish)
 
         return self._chain(first, second)
 

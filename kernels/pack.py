@@ -53,6 +53,7 @@ from ._checks import (
     use_triton,
 )
 from ._triton import tl, triton
+from .reference import _flat
 
 PACK_BITS = (2, 4, 8)
 """Code widths :func:`pack_values` accepts."""
@@ -206,8 +207,7 @@ def take_pack8_ref(src: torch.Tensor, idx: torch.Tensor, block_size: int,
                    codes: torch.Tensor, scales: torch.Tensor) -> None:
     """Torch implementation of :func:`take_pack8_` (the CPU path and the ground truth)."""
     n_blocks, k = idx.shape
-    flat = (torch.arange(n_blocks, device=idx.device, dtype=torch.int64).view(-1, 1)
-            * block_size + idx.to(torch.int64)).view(-1)
+    flat = _flat(idx, block_size)
     x = src.index_select(0, flat).view(n_blocks, k)
     s = x.abs().amax(dim=1)
     scales.copy_(s)

@@ -27,11 +27,10 @@ Dense steps send fp32.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from scape.comm import Communicator
+from scape.comm.base import FinishedWork
 from scape.kernels import pack_offsets, packed_nbytes, unpack_offsets, unpack_values
 from scape.kernels.pack import offset_bits
 
@@ -74,29 +73,13 @@ class Wire8:
         torch.sum(vals, dim=0, out=out)
         return out.div_(w)
 
-    def exchange(self, comm: Communicator, send: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    def exchange(self, comm: Communicator, send: torch.Tensor
+                 ) -> tuple[torch.Tensor, FinishedWork]:
         """Start the all-to-all: ``(g, work)``; ``g`` holds the averaged values once
         ``work.wait()`` returned."""
         recv = torch.empty_like(send)
         g = torch.empty(self.n_local * self.k, dtype=torch.float32, device=self.device)
-        return g, _Decode(comm.all_to_all(recv, send), self, recv, g)
-
-
-class _Decode:
-    """The all-to-all's work; waiting it also decodes into ``g``."""
-
-    def __init__(self, work: Any, wire: Wire8, recv: torch.Tensor, g: torch.Tensor) -> None:
-        self.work, self.wire, self.recv, self.g = work, wire, recv, g
-        self.done = False
-
-    def wait(self) -> None:
-        self.work.wait()
-        if not self.done:
-            self.wire.unpack_mean(self.recv, self.g)
-            self.done = True
-
-    def is_completed(self) -> bool:
-        return self.done or self.work.is_completed()
+        return g, FinishedWork(comm.all_to_all(recv, send), lambda: self.unpack_mean(recv, g))
 
 
 def offsets_bytes(n: int, block_size: int) -> int:
@@ -105,28 +88,10 @@ def offsets_bytes(n: int, block_size: int) -> int:
 
 
 def share_offsets(comm: Communicator, local: torch.Tensor, full: torch.Tensor,
-                  block_size: int) -> Any:
+                  block_size: int) -> FinishedWork:
     """Start the all-gather of every rank's mask rows ``local`` (int16 ``[n, k]``) into
     ``full`` (``[W n, k]``), packed; the work's ``wait()`` also unpacks."""
     packed = pack_offsets(local.view(-1), block_size)
     recv = torch.empty(comm.world_size * packed.numel(), dtype=torch.uint8, device=local.device)
-    return _Offsets(comm.all_gather(recv, packed), recv, full, local.numel(), block_size)
-
-
-class _Offsets:
-    """The packed mask's all-gather; waiting it also unpacks into the mask."""
-
-    def __init__(self, work: Any, recv: torch.Tensor, full: torch.Tensor, n_seg: int,
-                 block_size: int) -> None:
-        self.work, self.recv, self.full = work, recv, full
-        self.n_seg, self.block_size = n_seg, block_size
-        self.done = False
-
-    def wait(self) -> None:
-        self.work.wait()
-        if not self.done:
-            unpack_offsets(self.recv, self.n_seg, self.block_size, out=self.full.view(-1))
-            self.done = True
-
-    def is_completed(self) -> bool:
-        return self.done or self.work.is_completed()
+    return FinishedWork(comm.all_gather(recv, packed), lambda: unpack_offsets(
+        recv, local.numel(), block_size, out=full.view(-1)))
