@@ -131,15 +131,11 @@ def _run_bytes(opt: SCAPE, total_steps: int, start: float | None, ramp_steps: in
         return sparsity_ramp(t - w, start=min(start, ends[g]), end=ends[g],
                              ramp_steps=ramp_steps)
 
-    dense_total = sent = 0.0
-    for t in range(1, total_steps + 1):
-        dense_step = opt.is_dense_step(t)  # the optimizer's own schedule
-        next_dense = opt.is_dense_step(t + 1)
-        sent += 8
-        dense_total += 8
+    def step_bytes(t: int, dense_step: bool, next_dense: bool) -> int:
+        """What step ``t`` sends (every quantity is a whole number of bytes: sums are exact)."""
+        sent = 8
         for i, b in enumerate(opt.buckets):
             b_p = b.dtype.itemsize
-            dense_total += b.numel * (b_g + b_p)
             if opt.masks[i] is None or dense_step:
                 sent += b.n_pad * (b_g + b_p)
             else:  # the mask made at step t - 1
@@ -152,6 +148,30 @@ def _run_bytes(opt: SCAPE, total_steps: int, start: float | None, ramp_steps: in
                 n_next = b.n_pad // bsz * k  # the next mask's offsets: int16 in the reference
                 sent += n_next * 2 if reference_wire \
                     else b.world * offsets_bytes(n_next // b.world, bsz)
+        return sent
+
+    dense_total = total_steps * (8 + sum(b.numel * (b_g + b.dtype.itemsize)
+                                         for b in opt.buckets))
+    # step by step while the ramp or the warm-up shapes a step; from ``steady`` on a step's
+    # bytes depend only on whether it and the next are dense (every ``dense_every``-th)
+    steady = w + 2 + (ramp_steps if start is not None else 0)
+    sent = 0
+    for t in range(1, min(steady, total_steps + 1)):
+        sent += step_bytes(t, opt.is_dense_step(t), opt.is_dense_step(t + 1))
+    if steady <= total_steps:
+        n, every = total_steps - steady + 1, opt.dense_every
+        if every == 0:
+            counts = {(False, False): n}
+        elif every == 1:
+            counts = {(True, True): n}
+        else:  # t and t + 1 are never both multiples of ``every``
+            n_dense = total_steps // every - (steady - 1) // every
+            n_before = (total_steps + 1) // every - steady // every
+            counts = {(True, False): n_dense, (False, True): n_before,
+                      (False, False): n - n_dense - n_before}
+        for (dense_step, next_dense), count in counts.items():
+            if count:
+                sent += count * step_bytes(steady, dense_step, next_dense)
     return sent / dense_total
 
 

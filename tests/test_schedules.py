@@ -39,9 +39,10 @@ def _grads(opt: scape.SCAPE, t: int) -> None:
 @pytest.mark.parametrize("warmup,every,ramp,mixed,wire", [
     (1, 0, None, False, torch.float32), (2, 0, 5, False, torch.float32),
     (1, 4, 5, False, torch.float32), (3, 5, 4, True, torch.float32),
-    (2, 3, 0, True, torch.float32), (2, 0, 5, False, torch.int8), (3, 5, 4, True, torch.int8)])
+    (2, 3, 0, True, torch.float32), (2, 0, 5, False, torch.int8), (3, 5, 4, True, torch.int8),
+    (1, 2, 3, False, torch.float32)])
 def test_run_bytes_is_what_the_steps_send(warmup, every, ramp, mixed, wire):
-    steps = 14
+    steps = 14  # past the ramp too, where run_bytes counts steps by kind instead of one by one
     groups = _groups(0, mixed)
     opt = _opt(groups, warmup, every, wire=wire)
     sched = None if ramp is None else scape.SparsityRamp(opt, start=0.5, ramp_steps=ramp)
