@@ -44,7 +44,10 @@ from scape.rules import ShardState, block_budget
 from scape.schedules import RAMP_START, sparsity_ramp, start_ramp_steps
 from scape.sharded import ShardedOptimizer, _Pending, positional_error
 from scape.two_level import NodeLevel
-from scape.wire import Wire8, share_offsets
+from scape.wire import ParamWire8, Wire8, share_offsets
+
+PARAM_WIRES = (None, torch.int8)
+"""The ``param_comm_dtype`` values :class:`SCAPE` takes (:mod:`scape.wire`)."""
 
 DIAG_FULL_EVERY = 10
 """Diagnostics that read the whole shard (``updated_last_100``) refresh this often; the
@@ -73,12 +76,13 @@ class SCAPE(ShardedOptimizer):
             the sparsity ramps from 0.5 up over as many steps as keep a 0.99 run within 1/50
             of dense's bytes (:mod:`scape.schedules`). None: a 100-step ramp.
         warmup_steps: dense steps at the start (they build the statistics the masks read).
-        dense_every: every n-th step is dense, which sends everything left in the residuals
-            (0: never). Each costs one dense step's bytes.
+        dense_every: every n-th step is dense, sending all the residuals hold (0: never).
         max_grad_norm: clip the synchronized gradient to this norm (None: no clipping).
         grad_comm_dtype: dtype of gradients on the wire (float32, bfloat16, float16): bfloat16
             halves the gradient bytes; ``torch.int8``: a sparse step sends 8-bit codes with one
             scale per mask row, the coding error kept in the residual (:mod:`scape.wire`).
+        param_comm_dtype: None (a sparse step sends new values in the model's dtype) or
+            ``torch.int8``: 8-bit updates every replica applies alike (:mod:`scape.wire`).
         comm: the data-parallel group: a ProcessGroup, a 1-D DeviceMesh or a
             :class:`scape.comm.Communicator` (default: the default process group).
     """
@@ -94,8 +98,10 @@ class SCAPE(ShardedOptimizer):
                  total_steps: int | None = None, warmup_steps: int = 1,
                  dense_every: int = 0, max_grad_norm: float | None = None,
                  grad_comm_dtype: torch.dtype = torch.float32,
+                 param_comm_dtype: torch.dtype | None = None,
                  comm: Communicator | None = None) -> None:
         self._call_error = positional_error(self.name, args, lr)
+        self.param_comm_dtype = param_comm_dtype
         self._two_level = isinstance(comm, HierarchicalCommunicator) or (  # or a 2-D mesh
             type(comm).__name__ == "DeviceMesh" and getattr(comm, "ndim", 1) == 2)
         self.warmup_steps = warmup_steps
@@ -111,7 +117,7 @@ class SCAPE(ShardedOptimizer):
                         sparsity=sparsity)
         rule = self.rule  # every rank sends the same fields, also a rank whose name is unknown
         fields = dict(warmup_steps=warmup_steps, dense_every=dense_every, update=update,
-                      total_steps=total_steps,
+                      total_steps=total_steps, param_comm_dtype=str(param_comm_dtype),
                       rule=None if rule is None else (rule.extra, rule.explore,
                                                       rule.error_feedback, rule.score_reads_hp))
         super().__init__(params, defaults, comm=comm, block_size=block_size,
@@ -179,6 +185,12 @@ class SCAPE(ShardedOptimizer):
         if grad_comm_dtype == torch.int8 and self._two_level:
             raise ValueError("grad_comm_dtype=torch.int8 is one level only: with a "
                              "HierarchicalCommunicator use float32, bfloat16 or float16")
+        if self.param_comm_dtype not in PARAM_WIRES:
+            raise ValueError(f"Invalid param_comm_dtype: {self.param_comm_dtype!r} (expected "
+                             "None, the model's values, or torch.int8, 8-bit updates)")
+        if self.param_comm_dtype is not None and self._two_level:
+            raise ValueError("param_comm_dtype=torch.int8 is one level only: with a "
+                             "HierarchicalCommunicator leave it None")
 
     def _validate_group(self, group: dict, index: int) -> None:
         super()._validate_group(group, index)
@@ -397,11 +409,18 @@ class SCAPE(ShardedOptimizer):
         if self.shards[i].age_at_mask is not None:
             raise RuntimeError(f"rule {self.update!r}: its observe_select advanced the ages but "
                                "its update did not take shard.age_at_mask (see Rule)")
+        self._take_bufs[i] = None
+        mask_state.current = mask
+        if self.param_comm_dtype == torch.int8:  # 8-bit updates of the model copy
+            wire = ParamWire8(b.world, mask_state.n_local, mask.shape[1], self.block_size,
+                              b.device)
+            with phase("scape/all_gather", b.device):
+                work, send = wire.send(self.comm, self.shards[i].master, b.param_flat[b.shard],
+                                       rows)
+            return _Pending(b, work, lambda: wire.apply(b.param_flat, mask), (send, mask))
         gathered = torch.empty(mask.numel(), dtype=b.dtype, device=b.device)
         with phase("scape/all_gather", b.device):
             work = self.comm.all_gather(gathered, values)
-        self._take_bufs[i] = None
-        mask_state.current = mask
 
         def finish() -> None:
             scatter_(b.param_flat, mask, self.block_size, gathered)

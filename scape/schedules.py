@@ -105,7 +105,7 @@ def run_bytes(opt: SCAPE, total_steps: int, *, start: float | None = None,
     ``ramp_steps`` (no ramp when ``start`` is None; both left out: the optimizer's own ramp,
     :attr:`scape.SCAPE.ramp_steps`). Dense AdamS sends ``N (b_g + b_p) + 8``
     a step: the same wire dtypes (fp32 gradients for the 8-bit wire, :mod:`scape.wire`, whose
-    sparse steps count its segments), no padding. Exact for every rank's payload, as
+    sparse steps count its segments, as for 8-bit parameter updates), no padding. Exact for every rank's payload, as
     ``opt.last_step.bytes`` counts it (ring factors aside); a group whose sparsity changes
     otherwise is not foreseen. A group whose embedding matrices are set apart
     (:mod:`scape.embeddings`) counts each bucket's own budget. Raises ``ValueError`` for a
@@ -123,6 +123,7 @@ def _run_bytes(opt: SCAPE, total_steps: int, start: float | None, ramp_steps: in
     wire = torch.float32 if reference_wire else opt.grad_comm_dtype
     wire8 = wire == torch.int8  # scape.wire: codes and row scales
     b_g = 4 if wire8 else wire.itemsize  # a dense step's (and dense AdamS's)
+    param8 = not reference_wire and opt.param_comm_dtype == torch.int8  # 8-bit updates
     w, bsz = opt.warmup_steps, opt.block_size
 
     def sparsity(g: int, t: int) -> float:
@@ -140,7 +141,8 @@ def _run_bytes(opt: SCAPE, total_steps: int, start: float | None, ramp_steps: in
                 sent += b.n_pad * (b_g + b_p)
             else:  # the mask made at step t - 1
                 k = opt.mask_budget(b, sparsity(b.group, t - 1))[0]
-                sent += b.n_pad // bsz * k * b_p
+                sent += b.world * segment_bytes(b.n_pad // bsz // b.world, k) if param8 \
+                    else b.n_pad // bsz * k * b_p
                 sent += b.world * segment_bytes(b.n_pad // bsz // b.world, k) if wire8 \
                     else b.n_pad // bsz * k * b_g
             if opt.masks[i] is not None and t >= w and not next_dense:
@@ -212,8 +214,8 @@ def start_ramp_steps(opt: SCAPE, total_steps: int | None) -> int:
     no ramp fits (a run of a few steps, or many dense ones); :data:`RAMP_STEPS_UNSIZED` for
     ``total_steps=None``. The same on every rank (it reads the layout only). A two-level
     optimizer is sized by the same formula over its buckets. The bytes are counted on the
-    reference wire, fp32 gradients and int16 offsets, whatever the wire is
-    (``grad_comm_dtype``, the packed offsets of :mod:`scape.wire`), so the start does not
+    reference wire, fp32 gradients, the model's values and int16 offsets, whatever the wire is
+    (``grad_comm_dtype``, ``param_comm_dtype``, the packed offsets of :mod:`scape.wire`), so the start does not
     depend on the wire: a smaller wire lowers the whole run's bytes instead of buying a
     longer ramp."""
     if not any(g["sparsity"] > 0 for g in opt.param_groups):

@@ -1,5 +1,6 @@
 """The compact parts of a sparse step's wire: the 8-bit gradient wire
-(``grad_comm_dtype=torch.int8``) and the packed mask offsets (every wire).
+(``grad_comm_dtype=torch.int8``), the 8-bit parameter wire (``param_comm_dtype=torch.int8``)
+and the packed mask offsets (every wire).
 
 **Mask offsets.** The next mask's block-local offsets travel as ``log2(B)`` bits each (12 at
 ``B = 4096``; :func:`scape.kernels.pack_offsets`), every rank's ``n k`` of them in
@@ -23,6 +24,18 @@ per row)::
 so a sparse step's gradient leg moves ``W * seg`` bytes per rank where the fp32 wire moves
 ``4 * W * n * k``: per mask entry ``1 + 4 / k`` bytes plus the padding, against 4 (bf16: 2).
 Dense steps send fp32.
+
+**Parameters.** With ``param_comm_dtype=torch.int8`` a sparse step's owner does not send the
+new values of its mask entries but what the model copy still lacks of them,
+``delta = master - model`` (fp32, the model copy read from its own replica), coded to 8 bits
+with one fp32 scale per mask row (the row's absmax, the same codebook), in the segment layout
+above. Every rank, the owner included, decodes every owner's segment and applies
+``model = model + decoded`` (in fp32, stored in the model's dtype): the same operations on
+the same bytes, so the replicas stay bitwise identical. The owner keeps its fp32 master; the
+gap ``master - model`` at a coordinate is what its last send did not carry, at most
+``s / 255`` (``s``: that row's largest ``|delta|``) plus one rounding to the model's dtype,
+and it travels with the coordinate's next send (so it does not accumulate). A dense step
+sends the values themselves and closes every gap.
 """
 
 from __future__ import annotations
@@ -31,10 +44,19 @@ import torch
 
 from scape.comm import Communicator
 from scape.comm.base import FinishedWork
-from scape.kernels import pack_offsets, packed_nbytes, unpack_offsets, unpack_values
+from scape.kernels import (
+    absmax_scales,
+    gather,
+    pack_offsets,
+    pack_values,
+    packed_nbytes,
+    scatter_,
+    unpack_offsets,
+    unpack_values,
+)
 from scape.kernels.pack import offset_bits
 
-__all__ = ["Wire8", "offsets_bytes", "segment_bytes", "share_offsets"]
+__all__ = ["ParamWire8", "Wire8", "offsets_bytes", "segment_bytes", "share_offsets"]
 
 
 def segment_bytes(n_rows: int, k: int) -> int:
@@ -80,6 +102,46 @@ class Wire8:
         recv = torch.empty_like(send)
         g = torch.empty(self.n_local * self.k, dtype=torch.float32, device=self.device)
         return g, FinishedWork(comm.all_to_all(recv, send), lambda: self.unpack_mean(recv, g))
+
+
+class ParamWire8:
+    """One bucket's 8-bit parameter wire on one sparse step (module docstring): :meth:`send`
+    codes the owner's rows and starts the all-gather, :meth:`apply` writes every rank's
+    decoded updates into the model copy once it has landed."""
+
+    def __init__(self, world: int, n_local: int, k: int, block_size: int,
+                 device: torch.device) -> None:
+        self.world, self.n_local, self.k, self.block_size = world, n_local, k, block_size
+        self.seg = segment_bytes(n_local, k)
+        self.recv = torch.empty(world * self.seg, dtype=torch.uint8, device=device)
+
+    def send(self, comm: Communicator, master: torch.Tensor, model_shard: torch.Tensor,
+             rows: torch.Tensor) -> tuple[object, torch.Tensor]:
+        """Code ``master - model_shard`` at the owner's mask ``rows`` (``[n_local, k]``) and
+        start the all-gather; returns ``(work, send buffer)``."""
+        n, k = self.n_local, self.k
+        delta = gather(master, rows, self.block_size)
+        delta.sub_(gather(model_shard, rows, self.block_size, out_dtype=torch.float32))
+        scales = absmax_scales(delta, k)
+        codes = pack_values(delta, scales, k, 8)
+        parts = [scales.view(torch.uint8), codes]
+        pad = self.seg - 4 * n - n * k
+        if pad:
+            parts.append(torch.zeros(pad, dtype=torch.uint8, device=codes.device))
+        send = torch.cat(parts)
+        return comm.all_gather(self.recv, send), send
+
+    def apply(self, param_flat: torch.Tensor, mask: torch.Tensor) -> None:
+        """``param_flat[mask] += decoded`` (fp32 sum, stored in the model's dtype) for every
+        owner's rows of the full ``mask`` (``[W n_local, k]``), in the same order on every
+        rank."""
+        w, n, k = self.world, self.n_local, self.k
+        segs = self.recv.view(w, self.seg)
+        scales = segs[:, :4 * n].contiguous().view(torch.float32).view(-1)
+        codes = segs[:, 4 * n:4 * n + n * k].contiguous().view(-1)
+        values = unpack_values(codes, scales, k, 8, w * n * k)
+        values.add_(gather(param_flat, mask, self.block_size, out_dtype=torch.float32))
+        scatter_(param_flat, mask, self.block_size, values)
 
 
 def offsets_bytes(n: int, block_size: int) -> int:

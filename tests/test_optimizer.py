@@ -114,6 +114,10 @@ CONFIGS = {
     "int8": dict(sparsity=0.9, warmup_steps=2, grad_comm_dtype=torch.int8),
     "int8_bf16": dict(sparsity=0.99, warmup_steps=2, grad_comm_dtype=torch.int8,
                       dtype=torch.bfloat16),
+    # 8-bit parameter updates (scape.wire.ParamWire8): the replicas stay bitwise identical
+    "param8": dict(sparsity=0.9, warmup_steps=2, param_comm_dtype=torch.int8),
+    "wire8_bf16": dict(sparsity=0.99, warmup_steps=2, grad_comm_dtype=torch.int8,
+                       param_comm_dtype=torch.int8, dtype=torch.bfloat16),
     "set_to_none": dict(sparsity=0.9, warmup_steps=2, set_to_none=True),
     "lazy": dict(sparsity=0.9, warmup_steps=2, update="lazy"),
     "sqrt": dict(sparsity=0.9, warmup_steps=2, update="sqrt"),
@@ -210,8 +214,12 @@ def _sparse_body(rank, world, names, steps):
                 if opt.grad_comm_dtype == torch.int8:  # every owner's segment instead
                     del expect["reduce_scatter"]
                     expect["all_to_all"] = world * segment_bytes(b.shard_size // block, k)
+                values = K * bp  # the parameter leg: values, or every owner's 8-bit segment
+                if opt.param_comm_dtype == torch.int8:
+                    values = world * segment_bytes(b.shard_size // block, k)
+                    expect["all_gather"] += values - K * bp
                 if opt.masks[0].next is None:  # next step dense: no mask sync issued
-                    expect["all_gather"] = K * bp
+                    expect["all_gather"] = values
                 assert info.bytes == expect, (name, t, info.bytes, expect)
                 own = mask[rank * (b.shard_size // block):(rank + 1) * (b.shard_size // block)]
                 local_flat = _flat_index(own, block)
@@ -239,7 +247,8 @@ def _sparse_body(rank, world, names, steps):
 
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_scape_step_invariants(world):
-    names = list(CONFIGS) if world != 3 else ["base", "bf16", "explore1", "lazy", "int8"]
+    names = list(CONFIGS) if world != 3 else ["base", "bf16", "explore1", "lazy", "int8",
+                                              "param8"]
     results = run_ranks(_sparse_body, world, names, 9, timeout=300)
     assert all(set(r) == set(names) for r in results)
 

@@ -29,11 +29,12 @@ def _train(p: torch.nn.Parameter, opt: scape.SCAPE, steps: int, seed: int = 1) -
 
 
 def test_constructor_surface():
-    """At most 13 keyword arguments (the 12 of the surface before the start took the run's
-    length, ``total_steps``) and a docstring of at most 30 lines that names every one."""
+    """At most 14 keyword arguments (the 12 of the surface before the start took the run's
+    length, ``total_steps``, and the parameter wire its dtype, ``param_comm_dtype``) and a
+    docstring of at most 30 lines that names every one."""
     sig = inspect.signature(scape.SCAPE.__init__)
     kw = [n for n, p in sig.parameters.items() if p.kind is inspect.Parameter.KEYWORD_ONLY]
-    assert len(kw) <= 13, kw
+    assert len(kw) <= 14, kw
     doc = inspect.getdoc(scape.SCAPE) or ""
     assert len(doc.splitlines()) <= 30, len(doc.splitlines())
     for name in kw:

@@ -203,11 +203,12 @@ def check_rule(rule: Any) -> None:
 def build(name: str, groups: Any, spec: Spec, comm: Any = None) -> torch.optim.Optimizer:
     """The optimizer ``name`` over ``groups`` (module docstring)."""
     check_kwargs(name, spec.kwargs)
-    wire = spec.kwargs.get("grad_comm_dtype")
-    if isinstance(wire, str):  # a row's JSON names the dtype: "int8", "bfloat16"
-        dtype = getattr(torch, wire, None)
-        if not isinstance(dtype, torch.dtype):
-            raise ValueError(f"optimizer_kwargs['grad_comm_dtype'] of {name!r}: {wire!r} is "
-                             "not a torch dtype")
-        spec = dataclasses.replace(spec, kwargs={**spec.kwargs, "grad_comm_dtype": dtype})
+    for key in ("grad_comm_dtype", "param_comm_dtype"):
+        wire = spec.kwargs.get(key)
+        if isinstance(wire, str):  # a row's JSON names the dtype: "int8", "bfloat16"
+            dtype = getattr(torch, wire, None)
+            if not isinstance(dtype, torch.dtype):
+                raise ValueError(f"optimizer_kwargs[{key!r}] of {name!r}: {wire!r} is not a "
+                                 "torch dtype")
+            spec = dataclasses.replace(spec, kwargs={**spec.kwargs, key: dtype})
     return entry(name).factory(groups, spec, comm)

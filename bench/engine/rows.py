@@ -42,6 +42,11 @@ ROWS: dict[str, dict[str, Any]] = {
                        "optimizer_kwargs": {"grad_comm_dtype": "int8"}},
     "scape-0.99-int8": {"optimizer": "scape", "sparsity": 0.99,
                         "optimizer_kwargs": {"grad_comm_dtype": "int8"}},
+    # the whole 8-bit wire: gradient codes and parameter updates (scape.wire)
+    "scape-0.9-wire8": {"optimizer": "scape", "sparsity": 0.9, "optimizer_kwargs": {
+        "grad_comm_dtype": "int8", "param_comm_dtype": "int8"}},
+    "scape-0.99-wire8": {"optimizer": "scape", "sparsity": 0.99, "optimizer_kwargs": {
+        "grad_comm_dtype": "int8", "param_comm_dtype": "int8"}},
     "topk-0.9": {"optimizer": "topk", "sparsity": 0.9},
     "topk-0.99": {"optimizer": "topk", "sparsity": 0.99},
     "compute_only": {"optimizer": "compute_only", "sparsity": 0.99},

@@ -1,0 +1,100 @@
+"""The 8-bit parameter wire (``param_comm_dtype=torch.int8``, ``scape.wire.ParamWire8``):
+every rank applies the same decoded updates, so the replicas stay bitwise identical (also
+checked step by step with the other configurations in test_optimizer's invariants); the gap
+between the owner's fp32 master and the model copy is at most ``s / 255`` of the row's largest
+update plus one rounding to the model's dtype after a sparse step, unchanged outside the mask,
+and closed by a dense step; bytes are what ``run_bytes`` foresees; bad values are refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from dist import run_ranks
+
+import scape
+from scape.schedules import run_bytes
+
+BLOCK = 256
+SHAPES = [(40, 33), (700,), (3, 250)]
+
+
+def _gather_cat(t: torch.Tensor, world: int) -> torch.Tensor:
+    out = [torch.empty_like(t) for _ in range(world)]
+    dist.all_gather(out, t)
+    return torch.cat(out)
+
+
+def _gap_body(rank: int, world: int, dtype: torch.dtype, steps: int) -> dict:
+    gen = torch.Generator().manual_seed(5)
+    params = [torch.nn.Parameter(torch.randn(s, generator=gen).to(dtype)) for s in SHAPES]
+    opt = scape.SCAPE(params, lr=3e-2, sparsity=0.9, block_size=BLOCK, warmup_steps=2,
+                      dense_every=7, grad_comm_dtype=torch.int8, param_comm_dtype=torch.int8)
+    opt.ramp_steps = 0
+    b, s = opt.buckets[0], opt.shards[0]
+    n_local = b.shard_size // BLOCK
+    ulp = torch.finfo(dtype).eps
+    worst, kinds, sent = 0.0, set(), 0
+    for t in range(1, steps + 1):
+        master0 = s.master.clone()
+        model0 = b.param_flat[b.shard].float().clone()  # (.float() of fp32 is no copy)
+        g = torch.Generator().manual_seed(100 * t + rank)
+        for p in params:
+            p.grad = (torch.randn(p.shape, generator=g) * (1 + rank)).to(dtype)
+        opt.step()
+        sent += sum(opt.last_step.bytes.values())
+        master1, model1 = s.master, b.param_flat[b.shard].float()
+        allp = _gather_cat(b.param_flat.view(torch.uint8), world).view(world, -1)
+        assert bool((allp == allp[0]).all()), f"step {t}: replicas differ"
+        gap = master1 - model1
+        mask = opt.last_sync[0]["mask"]
+        kinds.add(mask is None)
+        round_to_model = ulp * model1.abs()  # one rounding to the model's dtype (0.5 ulp,
+        if mask is None:  # with slack)
+            assert bool((gap.abs() <= round_to_model).all()), f"step {t}: dense left a gap"
+            continue
+        own = mask[rank * n_local:(rank + 1) * n_local].long()
+        flat = (torch.arange(n_local)[:, None] * BLOCK + own).view(-1)
+        delta = (master1 - model0)[flat].view(n_local, -1)
+        bound = delta.abs().amax(1, keepdim=True) / 255 * (1 + 1e-6)
+        assert bool((gap[flat].view(n_local, -1).abs() <= bound + round_to_model[flat].view(
+            n_local, -1) + 1e-30).all()), f"step {t}: gap over the bound"
+        worst = max(worst, float((gap[flat].view(n_local, -1).abs() / bound.clamp(min=1e-30))
+                                 .max()))
+        rest = torch.ones(b.shard_size, dtype=torch.bool)
+        rest[flat] = False
+        assert torch.equal(master1[rest], master0[rest]), f"step {t}: master moved off the mask"
+        assert torch.equal(model1[rest], model0[rest]), f"step {t}: model moved off the mask"
+    assert kinds == {True, False}
+    n = sum(p.numel() for p in params)
+    assert sent == pytest.approx(run_bytes(opt, steps) * steps * (n * (4 + b.dtype.itemsize) + 8),
+                                 rel=1e-12)
+    return {"worst": worst}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_replicas_identical_and_gap_bounded(dtype):
+    results = run_ranks(_gap_body, 2, dtype, 16, timeout=180)
+    assert all(r["worst"] > 0.0 for r in results), results  # the codes do leave a gap
+
+
+def test_param_comm_dtype_is_checked():
+    p = [torch.nn.Parameter(torch.randn(300))]
+    with pytest.raises(ValueError, match="param_comm_dtype.*torch.int8"):
+        scape.SCAPE(p, lr=1e-3, param_comm_dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="param_comm_dtype"):
+        scape.SCAPE(p, lr=1e-3, param_comm_dtype="int8")
+
+
+def _mismatch_body(rank: int, world: int) -> str:
+    p = [torch.nn.Parameter(torch.zeros(300))]
+    try:
+        scape.SCAPE(p, lr=1e-3, param_comm_dtype=torch.int8 if rank == 0 else None)
+    except ValueError as e:
+        return str(e)
+    return ""
+
+
+def test_a_rank_with_another_param_wire_is_named_on_every_rank():
+    msgs = run_ranks(_mismatch_body, 2, timeout=120)
+    assert all("param_comm_dtype" in m for m in msgs), msgs
