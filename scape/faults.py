@@ -18,9 +18,12 @@ order a step runs them (DESIGN §1)::
 
     grad            after the gradients are folded into the buffer, before the statistics
     reduce_scatter  before the take and the gradient reduce-scatter
-    all_reduce      before the scalar all-reduce (gradient norm, non-finite count)
+    all_reduce      before the scalar all-reduce (gradient norm, non-finite count; a step
+                    whose scalars ride in its other collectives has none)
     all_gather      before the shard update and the parameter all-gather
-    mask_sync       before the next mask is made and its all-gather issued
+    mask_sync       after the parameter all-gathers, before the next masks of buckets that
+                    were dense this step are made and their all-gather issued (a sparse
+                    bucket's next mask rides with its parameter all-gather)
     save            inside ``scape.save_checkpoint``: after this rank's file is written,
                     before the manifest (a crash in the middle of a save)
 

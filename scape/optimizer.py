@@ -36,15 +36,25 @@ from scape.buffers import DENSE_ALIGN, Bucket
 from scape.checkpoint import load_sharded_state, sharded_state
 from scape.comm import Communicator, HierarchicalCommunicator
 from scape.dcp import is_torch_state_dict, load_torch_state_dict, torch_state_dict
-from scape.kernels import adams_dense_, blockwise_topk, gather, scatter_, take_, take_pack8_
+from scape.kernels import (
+    adams_dense_,
+    blockwise_topk,
+    gather,
+    pack_offsets,
+    scatter_,
+    take_,
+    take_pack8_,
+    unpack_offsets,
+)
 from scape.masks import MaskState, fit_mask, on_device
 from scape.optim_hooks import load_state_dict_hooks, state_dict_hooks
 from scape.profiling import phase
 from scape.rules import ShardState, block_budget
 from scape.schedules import RAMP_START, sparsity_ramp, start_ramp_steps
+from scape.comm.base import FinishedWork
 from scape.sharded import ShardedOptimizer, _Pending, positional_error
 from scape.two_level import NodeLevel
-from scape.wire import ParamWire8, Wire8, share_offsets
+from scape.wire import ParamWire8, Wire8, as_dtype, gather_parts, share_offsets
 
 PARAM_WIRES = (None, torch.int8)
 """The ``param_comm_dtype`` values :class:`SCAPE` takes (:mod:`scape.wire`)."""
@@ -363,11 +373,20 @@ class SCAPE(ShardedOptimizer):
                 diag["residual_norm"] = torch.zeros((), device=b.device)
             c, taken = self.level.to_wire(c, taken, self.grad_comm_dtype)
             self._sent_sumsq[i] = taken  # for the clipping norm (scape.grad_watch.clip_norm)
+        n_g = mask_state.n_local * mask.shape[1]
+        count = self._ride_count
+        if count is not None:  # one more value per owner: the non-finite count (its mean)
+            carried = torch.empty(b.world, n_g + 1, dtype=c.dtype, device=b.device)
+            carried[:, :n_g].copy_(c.view(b.world, n_g))
+            carried[:, n_g:].copy_(count.expand(b.world, 1))
+            c = carried.view(-1)
         self._take_bufs[i] = c
-        g = torch.empty(mask_state.n_local * mask.shape[1], dtype=self.grad_comm_dtype,
-                        device=b.device)
+        g = torch.empty(n_g + (count is not None), dtype=self.grad_comm_dtype, device=b.device)
         with phase("scape/reduce_scatter", b.device):
             work = comm.reduce_scatter(g, c, op="avg")
+        if count is not None:
+            self._ride_flag[i] = g[n_g:]
+            g = g[:n_g]
         return g, work
 
     def _sparse_launch8(self, i: int, b: Bucket, mask: torch.Tensor, n_local: int
@@ -390,11 +409,13 @@ class SCAPE(ShardedOptimizer):
                 src.zero_()
                 diag["residual_norm"] = torch.zeros((), device=b.device)
             self._sent_sumsq[i] = taken
-            wire = Wire8(b.world, n_local, mask.shape[1], b.device)
-            send = wire.pack(codes, scales)
+            count = self._ride_count
+            wire = Wire8(b.world, n_local, mask.shape[1], b.device, count=count is not None)
+            send = wire.pack(codes, scales, count)
         self._take_bufs[i] = send
         with phase("scape/reduce_scatter", b.device):
-            return wire.exchange(self.comm, send)
+            g, self._ride_flag[i], work = wire.exchange(self.comm, send)
+        return g, work
 
     def _sparse_update(self, i: int, g: torch.Tensor, hp: dict) -> _Pending:
         b, mask_state = self.buckets[i], self.masks[i]
@@ -411,63 +432,101 @@ class SCAPE(ShardedOptimizer):
                                "its update did not take shard.age_at_mask (see Rule)")
         self._take_bufs[i] = None
         mask_state.current = mask
+        # one all-gather: the values (or 8-bit updates), the next mask, the sum of squares
+        wire8 = None
         if self.param_comm_dtype == torch.int8:  # 8-bit updates of the model copy
-            wire = ParamWire8(b.world, mask_state.n_local, mask.shape[1], self.block_size,
-                              b.device)
-            with phase("scape/all_gather", b.device):
-                work, send = wire.send(self.comm, self.shards[i].master, b.param_flat[b.shard],
-                                       rows)
-            return _Pending(b, work, lambda: wire.apply(b.param_flat, mask), (send, mask))
-        gathered = torch.empty(mask.numel(), dtype=b.dtype, device=b.device)
+            wire8 = ParamWire8(b.world, mask_state.n_local, mask.shape[1], self.block_size)
+            values = wire8.code(self.shards[i].master, b.param_flat[b.shard], rows)
+        parts = [values]
+        idx = None if self.is_dense_step(self._step + 1) else self._next_mask(i)
+        if idx is not None:
+            parts.append(pack_offsets(idx.view(-1), self.block_size))
+        ride = self._ride_norm
+        if ride is not None:
+            sumsq = self._ride_sumsq[i]
+            assert sumsq is not None
+            parts.append(sumsq)
         with phase("scape/all_gather", b.device):
-            work = self.comm.all_gather(gathered, values)
+            work, views, send = gather_parts(self.comm, parts)
+        if idx is not None:
+            full = torch.empty(mask_state.n_blocks, mask_state.k, dtype=torch.int16,
+                               device=b.device)
+            packed = views[1]
+            mask_state.work = FinishedWork(work, lambda: unpack_offsets(
+                packed.contiguous().view(-1), idx.numel(), self.block_size, out=full.view(-1)))
+            mask_state.next, mask_state.local = full, idx
 
         def finish() -> None:
-            scatter_(b.param_flat, mask, self.block_size, gathered)
+            if wire8 is not None:
+                wire8.apply(b.param_flat, mask, views[0])
+            else:
+                scatter_(b.param_flat, mask, self.block_size,
+                         as_dtype(views[0], b.dtype))
 
-        return _Pending(b, work, finish, (values, gathered, mask))
+        always = None
+        if ride is not None:
+            def always() -> None:
+                ride[1].append(as_dtype(views[-1], torch.float32))
+
+        return _Pending(b, work, finish, (send, mask), always)
 
     def _after_update(self, dense_flags: list[bool]) -> None:
-        """Make and launch the next masks (only when the next step is sparse)."""
+        """Make and launch the next masks of the buckets that were dense this step (a sparse
+        one's rides with its parameter values, :meth:`_sparse_update`), when the next step is
+        sparse."""
         if self.is_dense_step(self._step + 1):
             for m in self.masks:
                 if m is not None:
                     m.next, m.local, m.work = None, None, None
             return
-        assert self.rule is not None
         for i, (b, mask_state) in enumerate(zip(self.buckets, self.masks)):
-            if mask_state is None:
+            if mask_state is None or not dense_flags[i]:
                 continue
-            s = self.shards[i]
-            self._set_budget(b, mask_state)
-            with phase("scape/mask", b.device):
-                if mask_state.made is not None:  # made before the take (observe_select)
-                    idx, mask_state.made = mask_state.made, None
-                elif self.rule.select is not None:  # score and selection fused
-                    idx = self.rule.select(s, self._hp(b), mask_state.k, mask_state.k_explore,
-                                           self.block_size)
-                else:
-                    if self.rule.score is None:
-                        score = s.m
-                    elif self.rule.score_reads_hp:
-                        score = self.rule.score(s, {**self._hp(b), "k": mask_state.k,
-                                                    "block_size": self.block_size})
-                    else:
-                        score = self.rule.score(s)
-                    idx = blockwise_topk(score, mask_state.k, self.block_size,
-                                         age=s.age if mask_state.k_explore else None,
-                                         k_explore=mask_state.k_explore)
-                age_blocks = s.age.view(mask_state.n_local, self.block_size)
-                diag = self.diagnostics[i]
-                diag["mask_overlap"] = (age_blocks.gather(1, idx.long()) == 0).float().mean()
-                if self._step % DIAG_FULL_EVERY == 0 or "updated_last_100" not in diag:
-                    # a pass over the whole shard: refreshed every DIAG_FULL_EVERY steps
-                    diag["updated_last_100"] = (s.age < 100).float().mean()
+            idx = self._next_mask(i)
             full = torch.empty(mask_state.n_blocks, mask_state.k, dtype=torch.int16,
                                device=b.device)
             with phase("scape/mask_sync", b.device):  # log2(B) bits per offset on the wire
                 mask_state.work = share_offsets(self.comm, idx, full, self.block_size)
             mask_state.next, mask_state.local = full, idx
+
+    def _next_mask(self, i: int) -> torch.Tensor:
+        """Bucket ``i``'s next mask rows of this rank's shard (``[n_local, k]``, int16), at
+        the budget of the group's sparsity now (DESIGN §1, step 4)."""
+        b, mask_state = self.buckets[i], self.masks[i]
+        assert self.rule is not None and mask_state is not None
+        s = self.shards[i]
+        self._set_budget(b, mask_state)
+        with phase("scape/mask", b.device):
+            if mask_state.made is not None:  # made before the take (observe_select)
+                idx, mask_state.made = mask_state.made, None
+            elif self.rule.select is not None:  # score and selection fused
+                idx = self.rule.select(s, self._hp(b), mask_state.k, mask_state.k_explore,
+                                       self.block_size)
+            else:
+                if self.rule.score is None:
+                    score = s.m
+                elif self.rule.score_reads_hp:
+                    score = self.rule.score(s, {**self._hp(b), "k": mask_state.k,
+                                                "block_size": self.block_size})
+                else:
+                    score = self.rule.score(s)
+                idx = blockwise_topk(score, mask_state.k, self.block_size,
+                                     age=s.age if mask_state.k_explore else None,
+                                     k_explore=mask_state.k_explore)
+            age_blocks = s.age.view(mask_state.n_local, self.block_size)
+            diag = self.diagnostics[i]
+            diag["mask_overlap"] = (age_blocks.gather(1, idx.long()) == 0).float().mean()
+            if self._step % DIAG_FULL_EVERY == 0 or "updated_last_100" not in diag:
+                # a pass over the whole shard: refreshed every DIAG_FULL_EVERY steps
+                diag["updated_last_100"] = (s.age < 100).float().mean()
+        return idx
+
+    def _scalars_ride(self, dense_flags: list[bool]) -> bool:
+        """A sparse step without clipping, one level, plain parameters: the non-finite count
+        rides in the gradient collective and the norm with the parameter values
+        (:mod:`scape.sharded`)."""
+        return not any(dense_flags) and self.max_grad_norm is None and \
+            self._shard_mesh is None and not isinstance(self.level, NodeLevel)
 
     # ------------------------------------------------------------------ state
     def counters(self) -> dict[str, Any]:

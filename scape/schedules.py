@@ -103,7 +103,9 @@ def run_bytes(opt: SCAPE, total_steps: int, *, start: float | None = None,
     also shares the next mask, made at :func:`sparsity_ramp` ``(t - warmup_steps)`` from
     ``start`` to each sparse group's sparsity (``ends``: their values now by default) over
     ``ramp_steps`` (no ramp when ``start`` is None; both left out: the optimizer's own ramp,
-    :attr:`scape.SCAPE.ramp_steps`). Dense AdamS sends ``N (b_g + b_p) + 8``
+    :attr:`scape.SCAPE.ramp_steps`); a sparse step whose scalars ride in its collectives
+    (no clipping, every group sparse, plain parameters) counts the count and the sums of
+    squares there instead of the 8-byte all-reduce. Dense AdamS sends ``N (b_g + b_p) + 8``
     a step: the same wire dtypes (fp32 gradients for the 8-bit wire, :mod:`scape.wire`, whose
     sparse steps count its segments, as for 8-bit parameter updates), no padding. Exact for every rank's payload, as
     ``opt.last_step.bytes`` counts it (ring factors aside); a group whose sparsity changes
@@ -124,6 +126,10 @@ def _run_bytes(opt: SCAPE, total_steps: int, start: float | None, ramp_steps: in
     wire8 = wire == torch.int8  # scape.wire: codes and row scales
     b_g = 4 if wire8 else wire.itemsize  # a dense step's (and dense AdamS's)
     param8 = not reference_wire and opt.param_comm_dtype == torch.int8  # 8-bit updates
+    # a sparse step's scalars ride in its two collectives (scape.sharded): no all-reduce, the
+    # count in every owner's gradient segment, the sum of squares with each owner's values
+    ride = not reference_wire and opt.max_grad_norm is None and opt.shard_mesh is None \
+        and all(m is not None for m in opt.masks)
     w, bsz = opt.warmup_steps, opt.block_size
 
     def sparsity(g: int, t: int) -> float:
@@ -134,17 +140,20 @@ def _run_bytes(opt: SCAPE, total_steps: int, start: float | None, ramp_steps: in
 
     def step_bytes(t: int, dense_step: bool, next_dense: bool) -> int:
         """What step ``t`` sends (every quantity is a whole number of bytes: sums are exact)."""
-        sent = 8
+        rides = ride and not dense_step
+        sent = 0 if rides else 8
         for i, b in enumerate(opt.buckets):
             b_p = b.dtype.itemsize
             if opt.masks[i] is None or dense_step:
                 sent += b.n_pad * (b_g + b_p)
             else:  # the mask made at step t - 1
                 k = opt.mask_budget(b, sparsity(b.group, t - 1))[0]
-                sent += b.world * segment_bytes(b.n_pad // bsz // b.world, k) if param8 \
+                n_local = b.n_pad // bsz // b.world
+                sent += b.world * segment_bytes(n_local, k) if param8 \
                     else b.n_pad // bsz * k * b_p
-                sent += b.world * segment_bytes(b.n_pad // bsz // b.world, k) if wire8 \
-                    else b.n_pad // bsz * k * b_g
+                sent += b.world * segment_bytes(n_local, k, int(rides)) if wire8 \
+                    else b.n_pad // bsz * k * b_g + (b.world * b_g if rides else 0)
+                sent += b.world * 4 if rides else 0  # the owners' sums of squares
             if opt.masks[i] is not None and t >= w and not next_dense:
                 k = opt.mask_budget(b, sparsity(b.group, t))[0]
                 n_next = b.n_pad // bsz * k  # the next mask's offsets: int16 in the reference
@@ -214,7 +223,8 @@ def start_ramp_steps(opt: SCAPE, total_steps: int | None) -> int:
     no ramp fits (a run of a few steps, or many dense ones); :data:`RAMP_STEPS_UNSIZED` for
     ``total_steps=None``. The same on every rank (it reads the layout only). A two-level
     optimizer is sized by the same formula over its buckets. The bytes are counted on the
-    reference wire, fp32 gradients, the model's values and int16 offsets, whatever the wire is
+    reference wire, fp32 gradients, the model's values, int16 offsets and the scalars in an
+    all-reduce of their own, whatever the wire is
     (``grad_comm_dtype``, ``param_comm_dtype``, the packed offsets of :mod:`scape.wire`), so the start does not
     depend on the wire: a smaller wire lowers the whole run's bytes instead of buying a
     longer ramp."""

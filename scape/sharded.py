@@ -9,6 +9,11 @@ collectives match across ranks::
                                         count of non-finite entries in the local buffers]
       -> skip (every rank) | clip, update shard, all-gather params (async), next mask (async)
 
+Where the scalars can ride (:meth:`ShardedOptimizer._scalars_ride`: a sparse step of
+:class:`scape.SCAPE` without clipping), the all-reduce is not launched: the non-finite count
+travels in every owner's segment of the gradient collective, and each owner's sum of squares
+with its parameter values, so the norm is known when they land.
+
 The parameter all-gather is waited inside ``step()`` unless :meth:`attach` was called, in
 which case a forward pre-hook waits for it (and scatters) right before the next forward.
 The skip decision reads the all-reduced count on the host: one 8-byte read per step, the
@@ -40,11 +45,14 @@ _GRAD_COMM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 class _Pending:
-    """A parameter all-gather in flight and what to do when it completes."""
+    """A parameter all-gather in flight and what to do when it completes: ``finish`` writes
+    the values (skipped where the parameters were written from outside meanwhile),
+    ``always`` reads what else rode with them (run in any case)."""
 
     def __init__(self, bucket: Bucket, work: Any, finish: Callable[[], None] | None,
-                 keep: tuple[torch.Tensor, ...] = ()) -> None:
-        self.bucket, self.work, self.finish = bucket, work, finish
+                 keep: tuple[torch.Tensor, ...] = (),
+                 always: Callable[[], None] | None = None) -> None:
+        self.bucket, self.work, self.finish, self.always = bucket, work, finish, always
         self.keep = keep  # buffers the collective reads or writes: alive until it completes
 
 
@@ -149,6 +157,17 @@ class ShardedOptimizer(torch.optim.Optimizer):
         may hold two."""
         self._watch = GradWatch(self.buckets, count_norms=self.max_grad_norm is not None)
         self._sent_sumsq: list[torch.Tensor | None] = [None] * len(self.buckets)
+        self._ride_count: torch.Tensor | None = None
+        """This step's non-finite count of the local buffers where the scalars ride (the
+        gradient collective carries it), else None."""
+        self._ride_flag: list[torch.Tensor | None] = [None] * len(self.buckets)
+        """Per bucket, the count every rank sent as its owner received it (> 0: skip)."""
+        self._ride_sumsq: list[torch.Tensor | None] = [None] * len(self.buckets)
+        """Per bucket, this rank's sum of squares of its synchronized gradient (it rides with
+        the parameter values)."""
+        self._ride_norm: tuple[torch.Tensor, list[torch.Tensor]] | None = None
+        """The step's norm tensor and every bucket's gathered sums of squares, once the
+        parameter all-gathers land (:meth:`finish_param_sync`)."""
         self._owned = {id(p) for b in self.buckets for p in b.params}
         self.state = param_state(self.buckets, self.shards, self.state_tensors)
         """Per-parameter views of what this rank holds (:mod:`scape.param_state`)."""
@@ -212,6 +231,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def _step_mask(self, i: int, dense: bool) -> torch.Tensor | None:
         """The mask bucket ``i`` synchronized this step (None when dense)."""
         return None
+
+    def _scalars_ride(self, dense_flags: list[bool]) -> bool:
+        """Whether this step's scalars ride in the gradient and parameter collectives instead
+        of an all-reduce of their own (module docstring)."""
+        return False
 
     # ------------------------------------------------------ the checkpoint interface
     # What scape.checkpoint, scape.dcp, scape.io and scape.schedules read and write, typed
@@ -326,6 +350,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 with phase("scape/all_gather", device):
                     for pend in self._pending:
                         pend.work.wait()
+                        if pend.always is not None:
+                            pend.always()
                         if id(pend.bucket) not in written:  # (values written meanwhile are
                             if pend.finish is not None:  # kept instead)
                                 pend.finish()
@@ -334,6 +360,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 self._failed = e
                 raise
             self._pending.clear()
+            if self._ride_norm is not None:  # every owner's sum of squares has landed
+                norm, parts = self._ride_norm
+                norm.copy_(torch.cat(parts).sum().sqrt())
+                self._ride_norm = None
         self._adopt_param_writes()
 
     def _adopt_param_writes(self) -> None:
@@ -427,6 +457,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if set_step is not None:
             set_step(self._step)
         before = {k: int(v["bytes"]) for k, v in self.comm.stats.items()}
+        calls_before = sum(int(v["calls"]) for v in self.comm.stats.values())
         self._check_unfrozen()
         for b in self.buckets:
             b.fold_stray_grads()
@@ -434,6 +465,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if fault is not None:
             fault.fire(self._step, "grad", self)
         dense_flags = [self._is_dense(i) for i in range(len(self.buckets))]
+        ride = self._scalars_ride(dense_flags)
         device = self.buckets[0].device
         self.level.gather_inside(self.buckets, self._dense_wire, self.max_grad_norm is not None)
         for i in range(len(self.buckets)):
@@ -448,6 +480,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             s = grad_stats(self.level.buffer(i, self.buckets[i]))
             self._pre_sumsq.append(s[0])
             local[1] += s[1]
+        self._ride_count = local[1:2] if ride else None
         weight = [b.norm_weight for b in self.buckets]  # 1 but for replicated DTensors
         # 2. take + reduce-scatter, every bucket in flight together
         received: list[tuple[torch.Tensor, Any]] = []
@@ -469,6 +502,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 sumsq = grad_stats(g)[0]
                 w = weight[i]
                 local[0] += sumsq if w == 1.0 else w * sumsq
+                if ride:
+                    self._ride_sumsq[i] = (sumsq if w == 1.0 else w * sumsq).reshape(1)
                 if clip and not dense_flags[i]:
                     local[2] += sumsq if w == 1.0 else w * sumsq
                     sent = self._sent_sumsq[i]
@@ -482,11 +517,20 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # (the update below starts only after every gradient collective of the step completed)
         if fault is not None:
             fault.fire(self._step, "all_reduce", self)
-        self.comm.all_reduce(local, op="sum").wait()
-        if self._shard_mesh is not None:  # and over the other shards of the model
-            self._shard_mesh.all_reduce_(local)
-        grad_norm = local[0].sqrt() if not clip else clip_norm(local, self.level.senders)
-        skipped = bool(local[1] > 0)
+        if ride:  # every owner received every rank's count; the norm lands with the values
+            flags = [f for f in self._ride_flag if f is not None]
+            skipped = bool(torch.cat(flags).gt(0).any())
+            grad_norm = torch.full((), float("nan"), device=device)
+            if not skipped:
+                self._ride_norm = (grad_norm, [])
+        else:
+            self.comm.all_reduce(local, op="sum").wait()
+            if self._shard_mesh is not None:  # and over the other shards of the model
+                self._shard_mesh.all_reduce_(local)
+            grad_norm = local[0].sqrt() if not clip else clip_norm(local, self.level.senders)
+            skipped = bool(local[1] > 0)
+        self._ride_count = None
+        self._ride_flag = [None] * len(self.buckets)
         for b, dense in zip(self.buckets, dense_flags):
             if dense or skipped:
                 b.grad_flat.zero_()
@@ -514,6 +558,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             step=self._step, dense=all(dense_flags), skipped=skipped, grad_norm=grad_norm,
             bytes={k: int(v["bytes"]) - before.get(k, 0) for k, v in after.items()
                    if int(v["bytes"]) - before.get(k, 0)},
+            collectives=sum(int(v["calls"]) for v in after.values()) - calls_before,
             mask_size=sum(self._sync_size(i, d) for i, d in enumerate(dense_flags)))
         return loss
 

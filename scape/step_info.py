@@ -24,9 +24,14 @@ class StepInfo:
     """Gradient norm before clipping (0-dim tensor). With clipping on (``max_grad_norm`` or
     ``opt.clip_grad_norm_``) the dense-comparable norm on every step: exact on a dense step,
     estimated on a sparse one (:func:`scape.grad_watch.clip_norm`). Without clipping, the norm
-    of what the step synchronized: on a sparse step, the sent coordinates only."""
+    of what the step synchronized: on a sparse step, the sent coordinates only; there it
+    travels with the parameter values (no collective of its own), so it is written when they
+    land: before ``step()`` returns, or after ``opt.attach(model)`` at the next forward or
+    ``opt.finish_param_sync()`` (NaN until then, and on a skipped step)."""
     bytes: dict[str, int] = dataclasses.field(default_factory=dict)
     """Payload bytes this step put on the wire, by collective (from ``comm.stats``)."""
+    collectives: int = 0
+    """Collectives this step launched (every op, ``comm.stats`` calls)."""
     mask_size: int = 0
     """Number of coordinates synchronized this step (K for a sparse step, N_pad if dense)."""
 

@@ -56,69 +56,91 @@ from scape.kernels import (
 )
 from scape.kernels.pack import offset_bits
 
-__all__ = ["ParamWire8", "Wire8", "offsets_bytes", "segment_bytes", "share_offsets"]
+__all__ = ["ParamWire8", "Wire8", "gather_parts", "offsets_bytes", "segment_bytes",
+           "share_offsets"]
 
 
-def segment_bytes(n_rows: int, k: int) -> int:
-    """Bytes of one rank's segment for one owner of ``n_rows`` mask rows of ``k`` entries."""
-    return -(-(4 * n_rows + n_rows * k) // 4) * 4
+def as_dtype(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The bytes ``rows`` (uint8, any layout) as a flat ``dtype`` tensor (a copy)."""
+    return rows.clone(memory_format=torch.contiguous_format).view(dtype).view(-1)
+
+
+def segment_bytes(n_rows: int, k: int, scalars: int = 0) -> int:
+    """Bytes of one rank's segment for one owner of ``n_rows`` mask rows of ``k`` entries
+    (and ``scalars`` fp32 values riding ahead of them)."""
+    return -(-(4 * scalars + 4 * n_rows + n_rows * k) // 4) * 4
 
 
 class Wire8:
-    """The all-to-all layout of one bucket's 8-bit wire (module docstring)."""
+    """The all-to-all layout of one bucket's 8-bit wire (module docstring); with
+    ``count=True`` each segment starts with the sender's non-finite count (fp32), which the
+    owner sums (the step's skip, :mod:`scape.sharded`)."""
 
-    def __init__(self, world: int, n_local: int, k: int, device: torch.device) -> None:
+    def __init__(self, world: int, n_local: int, k: int, device: torch.device,
+                 count: bool = False) -> None:
         self.world, self.n_local, self.k, self.device = world, n_local, k, device
-        self.seg = segment_bytes(n_local, k)
+        self.head = 4 if count else 0
+        self.seg = segment_bytes(n_local, k, int(count))
 
     @staticmethod
     def decoded(codes: torch.Tensor, scales: torch.Tensor, k: int) -> torch.Tensor:
         """The fp32 values ``codes`` and ``scales`` deliver (rows of ``k``)."""
         return unpack_values(codes, scales, k, 8, codes.numel())
 
-    def pack(self, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-        """The send buffer: owner ``r``'s segment holds mask rows ``r * n_local`` on."""
+    def pack(self, codes: torch.Tensor, scales: torch.Tensor,
+             count: torch.Tensor | None = None) -> torch.Tensor:
+        """The send buffer: owner ``r``'s segment holds mask rows ``r * n_local`` on (after
+        ``count``, one fp32 value, where the layout carries it)."""
         w, n, k = self.world, self.n_local, self.k
         parts = [scales.view(w, n).view(torch.uint8).view(w, 4 * n), codes.view(w, n * k)]
-        pad = self.seg - 4 * n - n * k
+        if self.head:
+            assert count is not None
+            parts.insert(0, count.float().reshape(1).view(torch.uint8).expand(w, 4))
+        pad = self.seg - self.head - 4 * n - n * k
         if pad:
             parts.append(torch.zeros(w, pad, dtype=torch.uint8, device=self.device))
         return torch.cat(parts, dim=1).view(-1)
 
-    def unpack_mean(self, recv: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """``out`` (fp32, ``n_local * k``) = the mean over ranks of the values in ``recv``."""
-        w, n, k = self.world, self.n_local, self.k
+    def unpack_mean(self, recv: torch.Tensor, out: torch.Tensor,
+                    count: torch.Tensor | None = None) -> torch.Tensor:
+        """``out`` (fp32, ``n_local * k``) = the mean over ranks of the values in ``recv``;
+        ``count`` (one fp32) = the sum of the ranks' counts, where the layout carries them."""
+        w, n, k, h = self.world, self.n_local, self.k, self.head
         segs = recv.view(w, self.seg)
-        scales = segs[:, :4 * n].contiguous().view(torch.float32)
-        codes = segs[:, 4 * n:4 * n + n * k].contiguous()
+        if h:
+            assert count is not None
+            torch.sum(as_dtype(segs[:, :h], torch.float32), dim=0, keepdim=True,
+                      out=count)
+        scales = as_dtype(segs[:, h:h + 4 * n], torch.float32).view(w, n)
+        codes = segs[:, h + 4 * n:h + 4 * n + n * k].contiguous()
         vals = unpack_values(codes.view(-1), scales.view(-1), k, 8, w * n * k).view(w, n * k)
         torch.sum(vals, dim=0, out=out)
         return out.div_(w)
 
     def exchange(self, comm: Communicator, send: torch.Tensor
-                 ) -> tuple[torch.Tensor, FinishedWork]:
-        """Start the all-to-all: ``(g, work)``; ``g`` holds the averaged values once
-        ``work.wait()`` returned."""
+                 ) -> tuple[torch.Tensor, torch.Tensor | None, FinishedWork]:
+        """Start the all-to-all: ``(g, count, work)``; ``g`` holds the averaged values and
+        ``count`` (None without the count) the summed counts once ``work.wait()`` returned."""
         recv = torch.empty_like(send)
         g = torch.empty(self.n_local * self.k, dtype=torch.float32, device=self.device)
-        return g, FinishedWork(comm.all_to_all(recv, send), lambda: self.unpack_mean(recv, g))
+        count = torch.empty(1, dtype=torch.float32, device=self.device) if self.head else None
+        return g, count, FinishedWork(comm.all_to_all(recv, send),
+                                      lambda: self.unpack_mean(recv, g, count))
 
 
 class ParamWire8:
-    """One bucket's 8-bit parameter wire on one sparse step (module docstring): :meth:`send`
-    codes the owner's rows and starts the all-gather, :meth:`apply` writes every rank's
-    decoded updates into the model copy once it has landed."""
+    """One bucket's 8-bit parameter wire on one sparse step (module docstring): :meth:`code`
+    makes the owner's segment of the all-gather, :meth:`apply` writes every rank's decoded
+    updates into the model copy once it has landed."""
 
-    def __init__(self, world: int, n_local: int, k: int, block_size: int,
-                 device: torch.device) -> None:
+    def __init__(self, world: int, n_local: int, k: int, block_size: int) -> None:
         self.world, self.n_local, self.k, self.block_size = world, n_local, k, block_size
         self.seg = segment_bytes(n_local, k)
-        self.recv = torch.empty(world * self.seg, dtype=torch.uint8, device=device)
 
-    def send(self, comm: Communicator, master: torch.Tensor, model_shard: torch.Tensor,
-             rows: torch.Tensor) -> tuple[object, torch.Tensor]:
-        """Code ``master - model_shard`` at the owner's mask ``rows`` (``[n_local, k]``) and
-        start the all-gather; returns ``(work, send buffer)``."""
+    def code(self, master: torch.Tensor, model_shard: torch.Tensor,
+             rows: torch.Tensor) -> torch.Tensor:
+        """The owner's segment (uint8, :attr:`seg` bytes): ``master - model_shard`` at its
+        mask ``rows`` (``[n_local, k]``), coded."""
         n, k = self.n_local, self.k
         delta = gather(master, rows, self.block_size)
         delta.sub_(gather(model_shard, rows, self.block_size, out_dtype=torch.float32))
@@ -128,16 +150,14 @@ class ParamWire8:
         pad = self.seg - 4 * n - n * k
         if pad:
             parts.append(torch.zeros(pad, dtype=torch.uint8, device=codes.device))
-        send = torch.cat(parts)
-        return comm.all_gather(self.recv, send), send
+        return torch.cat(parts)
 
-    def apply(self, param_flat: torch.Tensor, mask: torch.Tensor) -> None:
+    def apply(self, param_flat: torch.Tensor, mask: torch.Tensor, segs: torch.Tensor) -> None:
         """``param_flat[mask] += decoded`` (fp32 sum, stored in the model's dtype) for every
         owner's rows of the full ``mask`` (``[W n_local, k]``), in the same order on every
-        rank."""
+        rank; ``segs``: the gathered segments (``[W, seg]`` bytes)."""
         w, n, k = self.world, self.n_local, self.k
-        segs = self.recv.view(w, self.seg)
-        scales = segs[:, :4 * n].contiguous().view(torch.float32).view(-1)
+        scales = as_dtype(segs[:, :4 * n], torch.float32)
         codes = segs[:, 4 * n:4 * n + n * k].contiguous().view(-1)
         values = unpack_values(codes, scales, k, 8, w * n * k)
         values.add_(gather(param_flat, mask, self.block_size, out_dtype=torch.float32))
@@ -157,3 +177,20 @@ def share_offsets(comm: Communicator, local: torch.Tensor, full: torch.Tensor,
     recv = torch.empty(comm.world_size * packed.numel(), dtype=torch.uint8, device=local.device)
     return FinishedWork(comm.all_gather(recv, packed), lambda: unpack_offsets(
         recv, local.numel(), block_size, out=full.view(-1)))
+
+
+def gather_parts(comm: Communicator, parts: list[torch.Tensor]
+                 ) -> tuple[object, list[torch.Tensor], torch.Tensor]:
+    """Start one all-gather of the bytes of ``parts`` (1-D tensors of any dtype, the same
+    sizes on every rank) laid end to end: ``(work, views, send)``, where ``views[j]`` is
+    ``[W, parts[j].nbytes]``, every rank's bytes of part ``j`` (read them once ``work.wait()``
+    returned), and ``send`` the buffer the collective reads."""
+    raw = [p.reshape(-1).view(torch.uint8) for p in parts]
+    send = torch.cat(raw)
+    recv = torch.empty(comm.world_size * send.numel(), dtype=torch.uint8, device=send.device)
+    work = comm.all_gather(recv, send)
+    segs, views, at = recv.view(comm.world_size, -1), [], 0
+    for r in raw:
+        views.append(segs[:, at:at + r.numel()])
+        at += r.numel()
+    return work, views, send

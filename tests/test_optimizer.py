@@ -207,19 +207,22 @@ def _sparse_body(rank, world, names, steps):
                 bp = b.param_flat.element_size()
                 k_next, _ = block_budget(opt.sparsity_at(0, opt.step_count), block,
                                          cfg.get("explore", 0.1))  # the next mask's budget
-                expect = {"reduce_scatter": K * 4,
-                          "all_gather": K * bp + world * offsets_bytes(
-                              b.shard_size // block * k_next, block),  # 8 bits at B=256
-                          "all_reduce": 8}
+                n_local = b.shard_size // block
+                # two collectives: the gradient's, whose every owner segment also carries the
+                # sender's non-finite count, and one all-gather of each owner's values, next
+                # mask (8 bits an offset at B=256) and sum of squares
+                values = n_local * k * bp  # or every owner's 8-bit segment
+                if opt.param_comm_dtype == torch.int8:
+                    values = segment_bytes(n_local, k)
+                offsets = offsets_bytes(n_local * k_next, block)
+                if opt.masks[0].next is None:  # next step dense: no mask rides along
+                    offsets = 0
+                expect = {"reduce_scatter": (K + world) * 4,
+                          "all_gather": world * (values + offsets + 4)}
                 if opt.grad_comm_dtype == torch.int8:  # every owner's segment instead
                     del expect["reduce_scatter"]
-                    expect["all_to_all"] = world * segment_bytes(b.shard_size // block, k)
-                values = K * bp  # the parameter leg: values, or every owner's 8-bit segment
-                if opt.param_comm_dtype == torch.int8:
-                    values = world * segment_bytes(b.shard_size // block, k)
-                    expect["all_gather"] += values - K * bp
-                if opt.masks[0].next is None:  # next step dense: no mask sync issued
-                    expect["all_gather"] = values
+                    expect["all_to_all"] = world * segment_bytes(n_local, k, 1)
+                assert info.collectives == 2, (name, t, info.collectives)
                 assert info.bytes == expect, (name, t, info.bytes, expect)
                 own = mask[rank * (b.shard_size // block):(rank + 1) * (b.shard_size // block)]
                 local_flat = _flat_index(own, block)

@@ -94,8 +94,11 @@ CASES = [
     pytest.param(2, "1:7:all_reduce:kill", "all_reduce", 7, id="sigkill-all_reduce"),
     pytest.param(2, "1:7:all_gather:die", "all_gather", 7, id="die-all_gather-sparse"),
     pytest.param(2, "0:5:all_gather:die", "all_gather", 5, id="die-all_gather-dense"),
-    # killed before issuing step 6's mask all-gather: step 6 completes, step 7 finds it missing
-    pytest.param(2, "1:6:mask_sync:die", "all_gather", 6, id="die-mask_sync"),
+    # killed before issuing the mask all-gather of step 5, a dense refresh (a sparse step's
+    # next mask rides with its parameter all-gather): step 5 completes, step 6 finds it missing
+    pytest.param(2, "1:5:mask_sync:die", "all_gather", 5, id="die-mask_sync"),
+    # killed after step 6's all-gathers (values and the next mask in one): step 7 fails first
+    pytest.param(2, "1:6:mask_sync:die", "reduce_scatter", 7, id="die-after-sparse-all_gather"),
     pytest.param(2, "1:7:all_reduce:hang=7", "all_reduce", 7, id="hang-all_reduce"),
     # torch's gloo reduce-scatter work ignores wait(timeout): the process group's timeout
     # bounds it instead (PG_TIMEOUT_S), so the peer sleeps past that
