@@ -26,6 +26,7 @@ buckets are laid out differently.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -35,6 +36,7 @@ from scape.agreement import agree, digest
 from scape.buffers import DENSE_ALIGN, Bucket
 from scape.checkpoint import load_sharded_state, sharded_state
 from scape.comm import Communicator, HierarchicalCommunicator
+from scape.comm.base import FinishedWork
 from scape.dcp import is_torch_state_dict, load_torch_state_dict, torch_state_dict
 from scape.kernels import (
     adams_dense_,
@@ -51,7 +53,6 @@ from scape.optim_hooks import load_state_dict_hooks, state_dict_hooks
 from scape.profiling import phase
 from scape.rules import ShardState, block_budget
 from scape.schedules import RAMP_START, sparsity_ramp, start_ramp_steps
-from scape.comm.base import FinishedWork
 from scape.sharded import ShardedOptimizer, _Pending, positional_error
 from scape.two_level import NodeLevel
 from scape.wire import ParamWire8, Wire8, as_dtype, gather_parts, share_offsets
@@ -351,14 +352,14 @@ class SCAPE(ShardedOptimizer):
         s.age.zero_()
 
     # ------------------------------------------------------------------ sparse path
-    def _sparse_launch(self, i: int) -> tuple[torch.Tensor, Any]:
+    def _take(self, i: int) -> tuple[Communicator, torch.Tensor, int]:
+        """Bucket ``i``'s take on the fp32/bf16/fp16 wire: ``(comm, c, n_g)``, the compact
+        values ``c`` (owner-major, the wire's dtype) and the entries each owner receives."""
         b, mask_state = self.buckets[i], self.masks[i]
         assert mask_state is not None  # _is_dense routes mask-less buckets to the dense path
         with phase("scape/mask_sync", b.device):
             mask = mask_state.wait()
         assert mask is not None
-        if self.grad_comm_dtype == torch.int8:
-            return self._sparse_launch8(i, b, mask, mask_state.n_local)
         comm, src, mask, take_dtype = self.level.sparse_source(i, b, mask, mask_state.n_local,
                                                               self.grad_comm_dtype)
         with phase("scape/take", b.device):
@@ -373,26 +374,15 @@ class SCAPE(ShardedOptimizer):
                 diag["residual_norm"] = torch.zeros((), device=b.device)
             c, taken = self.level.to_wire(c, taken, self.grad_comm_dtype)
             self._sent_sumsq[i] = taken  # for the clipping norm (scape.grad_watch.clip_norm)
-        n_g = mask_state.n_local * mask.shape[1]
-        count = self._ride_count
-        if count is not None:  # one more value per owner: the non-finite count (its mean)
-            carried = torch.empty(b.world, n_g + 1, dtype=c.dtype, device=b.device)
-            carried[:, :n_g].copy_(c.view(b.world, n_g))
-            carried[:, n_g:].copy_(count.expand(b.world, 1))
-            c = carried.view(-1)
-        self._take_bufs[i] = c
-        g = torch.empty(n_g + (count is not None), dtype=self.grad_comm_dtype, device=b.device)
-        with phase("scape/reduce_scatter", b.device):
-            work = comm.reduce_scatter(g, c, op="avg")
-        if count is not None:
-            self._ride_flag[i] = g[n_g:]
-            g = g[:n_g]
-        return g, work
+        return comm, c, mask_state.n_local * mask.shape[1]
 
-    def _sparse_launch8(self, i: int, b: Bucket, mask: torch.Tensor, n_local: int
-                        ) -> tuple[torch.Tensor, Any]:
-        """:meth:`_sparse_launch` with the 8-bit wire: codes and row scales in one
-        all-to-all, decoded and averaged by the owner when the work is waited."""
+    def _take8(self, i: int) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+        """Bucket ``i``'s take on the 8-bit wire: ``(codes, scales, n_local, k)``."""
+        b, mask_state = self.buckets[i], self.masks[i]
+        assert mask_state is not None
+        with phase("scape/mask_sync", b.device):
+            mask = mask_state.wait()
+        assert mask is not None
         src = b.grad_flat
         with phase("scape/take", b.device):
             codes, scales = take_pack8_(src, mask, self.block_size)
@@ -409,15 +399,67 @@ class SCAPE(ShardedOptimizer):
                 src.zero_()
                 diag["residual_norm"] = torch.zeros((), device=b.device)
             self._sent_sumsq[i] = taken
-            count = self._ride_count
-            wire = Wire8(b.world, n_local, mask.shape[1], b.device, count=count is not None)
-            send = wire.pack(codes, scales, count)
-        self._take_bufs[i] = send
+        return codes, scales, mask_state.n_local, mask.shape[1]
+
+    def _sparse_launch(self, i: int) -> tuple[torch.Tensor, Any]:
+        b = self.buckets[i]
+        if self.grad_comm_dtype == torch.int8:  # codes and row scales in one all-to-all,
+            codes, scales, n_local, k = self._take8(i)  # decoded by the owner when waited
+            wire = Wire8(b.world, [(n_local, k)], b.device)
+            send = wire.pack([(codes, scales)])
+            self._take_bufs[i] = send
+            with phase("scape/reduce_scatter", b.device):
+                (g,), _, work = wire.exchange(self.comm, send)
+            return g, work
+        comm, c, n_g = self._take(i)
+        self._take_bufs[i] = c
+        g = torch.empty(n_g, dtype=self.grad_comm_dtype, device=b.device)
         with phase("scape/reduce_scatter", b.device):
-            g, self._ride_flag[i], work = wire.exchange(self.comm, send)
+            work = comm.reduce_scatter(g, c, op="avg")
         return g, work
 
-    def _sparse_update(self, i: int, g: torch.Tensor, hp: dict) -> _Pending:
+    def _launch(self, dense_flags: list[bool]) -> list[tuple[torch.Tensor, Any]]:
+        """Where the scalars ride, every bucket's gradient in ONE collective: each owner's
+        segment holds every bucket's entries for it and the sender's non-finite count."""
+        count = self._ride_count
+        if count is None:
+            return super()._launch(dense_flags)
+        n, device, world = len(self.buckets), self.buckets[0].device, self.comm.world_size
+        if self.grad_comm_dtype == torch.int8:
+            taken = [self._take8(i) for i in range(n)]
+            wire = Wire8(world, [(t[2], t[3]) for t in taken], device, count=True)
+            send = wire.pack([(t[0], t[1]) for t in taken], count)
+            self._take_bufs = [send] * n
+            with phase("scape/reduce_scatter", device):
+                gs, flag, work = wire.exchange(self.comm, send)
+            self._ride_flag = [flag]
+            return [(g, work) for g in gs]
+        cs = [self._take(i) for i in range(n)]
+        sizes = [n_g for _, _, n_g in cs]
+        send = torch.empty(world, sum(sizes) + 1, dtype=self.grad_comm_dtype, device=device)
+        at = 0
+        for (_, c, n_g) in cs:
+            send[:, at:at + n_g].copy_(c.view(world, n_g))
+            at += n_g
+        send[:, at:].copy_(count.expand(world, 1))  # (its mean: > 0 where any rank's is)
+        self._take_bufs = [send] * n
+        got = torch.empty(at + 1, dtype=self.grad_comm_dtype, device=device)
+        with phase("scape/reduce_scatter", device):
+            work = self.comm.reduce_scatter(got, send.view(-1), op="avg")
+        self._ride_flag = [got[at:]]
+        out, at = [], 0
+        for n_g in sizes:
+            out.append((got[at:at + n_g], work))
+            at += n_g
+        return out
+
+    def _sparse_values(self, i: int, g: torch.Tensor, hp: dict
+                       ) -> tuple[torch.Tensor, Callable[[torch.Tensor], None],
+                                  torch.Tensor | None]:
+        """Bucket ``i``'s update: ``(part, apply, idx)``, what its owner puts on the
+        all-gather (the new values in the model's dtype, or 8-bit updates), what writes every
+        owner's part (``[W, bytes]``) into the model, and the next mask's own rows (None when
+        the next step is dense)."""
         b, mask_state = self.buckets[i], self.masks[i]
         assert mask_state is not None and mask_state.next is not None
         mask = mask_state.next
@@ -432,43 +474,75 @@ class SCAPE(ShardedOptimizer):
                                "its update did not take shard.age_at_mask (see Rule)")
         self._take_bufs[i] = None
         mask_state.current = mask
-        # one all-gather: the values (or 8-bit updates), the next mask, the sum of squares
-        wire8 = None
         if self.param_comm_dtype == torch.int8:  # 8-bit updates of the model copy
             wire8 = ParamWire8(b.world, mask_state.n_local, mask.shape[1], self.block_size)
-            values = wire8.code(self.shards[i].master, b.param_flat[b.shard], rows)
-        parts = [values]
+            part = wire8.code(self.shards[i].master, b.param_flat[b.shard], rows)
+
+            def apply(segs: torch.Tensor) -> None:
+                wire8.apply(b.param_flat, mask, segs)
+        else:
+            part = values
+
+            def apply(segs: torch.Tensor) -> None:
+                scatter_(b.param_flat, mask, self.block_size, as_dtype(segs, b.dtype))
         idx = None if self.is_dense_step(self._step + 1) else self._next_mask(i)
-        if idx is not None:
-            parts.append(pack_offsets(idx.view(-1), self.block_size))
-        ride = self._ride_norm
-        if ride is not None:
-            sumsq = self._ride_sumsq[i]
-            assert sumsq is not None
-            parts.append(sumsq)
+        return part, apply, idx
+
+    def _share_next(self, i: int, idx: torch.Tensor, work: Any, packed: torch.Tensor) -> None:
+        """Bucket ``i``'s next mask: every owner's packed rows ``packed`` (``[W, bytes]``)
+        arrive with ``work``, unpacked when the mask is waited."""
+        b, mask_state = self.buckets[i], self.masks[i]
+        assert mask_state is not None
+        full = torch.empty(mask_state.n_blocks, mask_state.k, dtype=torch.int16, device=b.device)
+        mask_state.work = FinishedWork(work, lambda: unpack_offsets(
+            packed.contiguous().view(-1), idx.numel(), self.block_size, out=full.view(-1)))
+        mask_state.next, mask_state.local = full, idx
+
+    def _sparse_update(self, i: int, g: torch.Tensor, hp: dict) -> _Pending:
+        """One bucket's update and its one all-gather: the values and the next mask."""
+        b = self.buckets[i]
+        mask = self.masks[i].next  # type: ignore[union-attr]
+        part, apply, idx = self._sparse_values(i, g, hp)
+        parts = [part] if idx is None else [part, pack_offsets(idx.view(-1), self.block_size)]
         with phase("scape/all_gather", b.device):
             work, views, send = gather_parts(self.comm, parts)
         if idx is not None:
-            full = torch.empty(mask_state.n_blocks, mask_state.k, dtype=torch.int16,
-                               device=b.device)
-            packed = views[1]
-            mask_state.work = FinishedWork(work, lambda: unpack_offsets(
-                packed.contiguous().view(-1), idx.numel(), self.block_size, out=full.view(-1)))
-            mask_state.next, mask_state.local = full, idx
+            self._share_next(i, idx, work, views[1])
+        return _Pending(b, work, lambda: apply(views[0]), (send, mask))  # type: ignore[arg-type]
 
-        def finish() -> None:
-            if wire8 is not None:
-                wire8.apply(b.param_flat, mask, views[0])
-            else:
-                scatter_(b.param_flat, mask, self.block_size,
-                         as_dtype(views[0], b.dtype))
+    def _apply(self, gs: list[torch.Tensor], dense_flags: list[bool]) -> None:
+        """Where the scalars ride, every bucket's values and next mask and this rank's sum of
+        squares in ONE all-gather."""
+        ride = self._ride_norm
+        if ride is None:
+            return super()._apply(gs, dense_flags)
+        parts, done = [], []
+        for i, (b, g) in enumerate(zip(self.buckets, gs)):
+            mask = self.masks[i].next  # type: ignore[union-attr]
+            part, apply, idx = self._sparse_values(i, g, self._hp(b))
+            parts.append(part)
+            if idx is not None:
+                parts.append(pack_offsets(idx.view(-1), self.block_size))
+            done.append((i, mask, apply, idx))
+        sumsq = [s for s in self._ride_sumsq if s is not None]
+        parts.append(torch.cat(sumsq).sum().reshape(1))
+        device = self.buckets[0].device
+        with phase("scape/all_gather", device):
+            work, views, send = gather_parts(self.comm, parts)
+        at = 0
+        for i, mask, apply, idx in done:
+            view = views[at]
+            if idx is not None:
+                self._share_next(i, idx, work, views[at + 1])
+            at += 1 if idx is None else 2
 
-        always = None
-        if ride is not None:
-            def always() -> None:
-                ride[1].append(as_dtype(views[-1], torch.float32))
+            def finish(apply: Callable[[torch.Tensor], None] = apply,
+                       view: torch.Tensor = view) -> None:
+                apply(view)
 
-        return _Pending(b, work, finish, (send, mask), always)
+            self._pending.append(_Pending(self.buckets[i], work, finish, (send, mask)))
+        norms = views[-1]
+        self._pending[-1].always = lambda: ride[1].append(as_dtype(norms, torch.float32))
 
     def _after_update(self, dense_flags: list[bool]) -> None:
         """Make and launch the next masks of the buckets that were dense this step (a sparse

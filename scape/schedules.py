@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from scape import config
-from scape.wire import offsets_bytes, segment_bytes
+from scape.wire import fused_segment_bytes, offsets_bytes, segment_bytes
 
 SCAPE = Any
 """What the functions here take: a :class:`scape.SCAPE` (``scape.optimizer`` imports this
@@ -140,8 +140,9 @@ def _run_bytes(opt: SCAPE, total_steps: int, start: float | None, ramp_steps: in
 
     def step_bytes(t: int, dense_step: bool, next_dense: bool) -> int:
         """What step ``t`` sends (every quantity is a whole number of bytes: sums are exact)."""
-        rides = ride and not dense_step
+        rides = ride and not dense_step  # one gradient collective and one all-gather in all
         sent = 0 if rides else 8
+        rows = []  # every sparse bucket's (n_local, k) on the 8-bit wire
         for i, b in enumerate(opt.buckets):
             b_p = b.dtype.itemsize
             if opt.masks[i] is None or dense_step:
@@ -151,14 +152,21 @@ def _run_bytes(opt: SCAPE, total_steps: int, start: float | None, ramp_steps: in
                 n_local = b.n_pad // bsz // b.world
                 sent += b.world * segment_bytes(n_local, k) if param8 \
                     else b.n_pad // bsz * k * b_p
-                sent += b.world * segment_bytes(n_local, k, int(rides)) if wire8 \
-                    else b.n_pad // bsz * k * b_g + (b.world * b_g if rides else 0)
-                sent += b.world * 4 if rides else 0  # the owners' sums of squares
+                if wire8 and rides:
+                    rows.append((n_local, k))
+                elif wire8:
+                    sent += b.world * segment_bytes(n_local, k)
+                else:
+                    sent += b.n_pad // bsz * k * b_g
             if opt.masks[i] is not None and t >= w and not next_dense:
                 k = opt.mask_budget(b, sparsity(b.group, t))[0]
                 n_next = b.n_pad // bsz * k  # the next mask's offsets: int16 in the reference
                 sent += n_next * 2 if reference_wire \
                     else b.world * offsets_bytes(n_next // b.world, bsz)
+        if rides:  # the count in every owner's gradient segment, the sum of squares with the
+            world = opt.comm.world_size  # values
+            sent += world * fused_segment_bytes(rows, 1) if wire8 else world * b_g
+            sent += world * 4
         return sent
 
     dense_total = total_steps * (8 + sum(b.numel * (b_g + b.dtype.itemsize)

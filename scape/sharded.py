@@ -232,6 +232,18 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """The mask bucket ``i`` synchronized this step (None when dense)."""
         return None
 
+    def _launch(self, dense_flags: list[bool]) -> list[tuple[torch.Tensor, Any]]:
+        """Take and start every bucket's gradient collective: per bucket ``(g, work)``, ``g``
+        this rank's synchronized part once ``work.wait()`` returned (works may be shared)."""
+        received = []
+        for i, b in enumerate(self.buckets):
+            if dense_flags[i]:
+                with phase("scape/reduce_scatter", b.device):
+                    received.append(self.level.dense_launch(i, b, self._dense_wire))
+            else:
+                received.append(self._sparse_launch(i))
+        return received
+
     def _scalars_ride(self, dense_flags: list[bool]) -> bool:
         """Whether this step's scalars ride in the gradient and parameter collectives instead
         of an all-reduce of their own (module docstring)."""
@@ -483,16 +495,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._ride_count = local[1:2] if ride else None
         weight = [b.norm_weight for b in self.buckets]  # 1 but for replicated DTensors
         # 2. take + reduce-scatter, every bucket in flight together
-        received: list[tuple[torch.Tensor, Any]] = []
         if fault is not None:
             fault.fire(self._step, "reduce_scatter", self)
-        for i in range(len(self.buckets)):
-            if dense_flags[i]:
-                with phase("scape/reduce_scatter", device):
-                    received.append(self.level.dense_launch(i, self.buckets[i],
-                                                            self._dense_wire))
-            else:
-                received.append(self._sparse_launch(i))
+        received = self._launch(dense_flags)
         gs = []
         with phase("scape/reduce_scatter", device):
             for i, (g, work) in enumerate(received):

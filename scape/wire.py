@@ -56,8 +56,8 @@ from scape.kernels import (
 )
 from scape.kernels.pack import offset_bits
 
-__all__ = ["ParamWire8", "Wire8", "gather_parts", "offsets_bytes", "segment_bytes",
-           "share_offsets"]
+__all__ = ["ParamWire8", "Wire8", "fused_segment_bytes", "gather_parts", "offsets_bytes",
+           "segment_bytes", "share_offsets"]
 
 
 def as_dtype(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -68,64 +68,77 @@ def as_dtype(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def segment_bytes(n_rows: int, k: int, scalars: int = 0) -> int:
     """Bytes of one rank's segment for one owner of ``n_rows`` mask rows of ``k`` entries
     (and ``scalars`` fp32 values riding ahead of them)."""
-    return -(-(4 * scalars + 4 * n_rows + n_rows * k) // 4) * 4
+    return fused_segment_bytes([(n_rows, k)], scalars)
+
+
+def fused_segment_bytes(rows: list[tuple[int, int]], scalars: int = 0) -> int:
+    """Bytes of one rank's segment for one owner holding several buckets' rows, ``(n_rows,
+    k)`` each, laid end to end (and ``scalars`` fp32 values ahead of them)."""
+    return -(-(4 * scalars + sum(4 * n + n * k for n, k in rows)) // 4) * 4
 
 
 class Wire8:
-    """The all-to-all layout of one bucket's 8-bit wire (module docstring); with
-    ``count=True`` each segment starts with the sender's non-finite count (fp32), which the
-    owner sums (the step's skip, :mod:`scape.sharded`)."""
+    """The all-to-all layout of the 8-bit wire (module docstring) for one or more buckets,
+    ``rows`` = ``[(n_local, k), ...]``: each owner's segment holds every bucket's scales and
+    codes in turn. With ``count=True`` it starts with the sender's non-finite count (fp32),
+    which the owner sums (the step's skip, :mod:`scape.sharded`)."""
 
-    def __init__(self, world: int, n_local: int, k: int, device: torch.device,
+    def __init__(self, world: int, rows: list[tuple[int, int]], device: torch.device,
                  count: bool = False) -> None:
-        self.world, self.n_local, self.k, self.device = world, n_local, k, device
+        self.world, self.rows, self.device = world, rows, device
         self.head = 4 if count else 0
-        self.seg = segment_bytes(n_local, k, int(count))
+        self.seg = fused_segment_bytes(rows, int(count))
 
     @staticmethod
     def decoded(codes: torch.Tensor, scales: torch.Tensor, k: int) -> torch.Tensor:
         """The fp32 values ``codes`` and ``scales`` deliver (rows of ``k``)."""
         return unpack_values(codes, scales, k, 8, codes.numel())
 
-    def pack(self, codes: torch.Tensor, scales: torch.Tensor,
+    def pack(self, coded: list[tuple[torch.Tensor, torch.Tensor]],
              count: torch.Tensor | None = None) -> torch.Tensor:
-        """The send buffer: owner ``r``'s segment holds mask rows ``r * n_local`` on (after
-        ``count``, one fp32 value, where the layout carries it)."""
-        w, n, k = self.world, self.n_local, self.k
-        parts = [scales.view(w, n).view(torch.uint8).view(w, 4 * n), codes.view(w, n * k)]
+        """The send buffer from each bucket's ``(codes, scales)``: owner ``r``'s segment
+        holds each bucket's mask rows ``r * n_local`` on (after ``count``, one fp32 value,
+        where the layout carries it)."""
+        w = self.world
+        parts = []
         if self.head:
             assert count is not None
-            parts.insert(0, count.float().reshape(1).view(torch.uint8).expand(w, 4))
-        pad = self.seg - self.head - 4 * n - n * k
+            parts.append(count.float().reshape(1).view(torch.uint8).expand(w, 4))
+        for (n, k), (codes, scales) in zip(self.rows, coded):
+            parts += [scales.view(w, n).view(torch.uint8).view(w, 4 * n), codes.view(w, n * k)]
+        pad = self.seg - self.head - sum(4 * n + n * k for n, k in self.rows)
         if pad:
             parts.append(torch.zeros(w, pad, dtype=torch.uint8, device=self.device))
         return torch.cat(parts, dim=1).view(-1)
 
-    def unpack_mean(self, recv: torch.Tensor, out: torch.Tensor,
-                    count: torch.Tensor | None = None) -> torch.Tensor:
-        """``out`` (fp32, ``n_local * k``) = the mean over ranks of the values in ``recv``;
-        ``count`` (one fp32) = the sum of the ranks' counts, where the layout carries them."""
-        w, n, k, h = self.world, self.n_local, self.k, self.head
+    def unpack_mean(self, recv: torch.Tensor, outs: list[torch.Tensor],
+                    count: torch.Tensor | None = None) -> None:
+        """Each of ``outs`` (fp32, ``n_local * k``) = the mean over ranks of its bucket's
+        values in ``recv``; ``count`` (one fp32) = the sum of the ranks' counts, where the
+        layout carries them."""
+        w, at = self.world, self.head
         segs = recv.view(w, self.seg)
-        if h:
+        if at:
             assert count is not None
-            torch.sum(as_dtype(segs[:, :h], torch.float32), dim=0, keepdim=True,
-                      out=count)
-        scales = as_dtype(segs[:, h:h + 4 * n], torch.float32).view(w, n)
-        codes = segs[:, h + 4 * n:h + 4 * n + n * k].contiguous()
-        vals = unpack_values(codes.view(-1), scales.view(-1), k, 8, w * n * k).view(w, n * k)
-        torch.sum(vals, dim=0, out=out)
-        return out.div_(w)
+            torch.sum(as_dtype(segs[:, :at], torch.float32), dim=0, keepdim=True, out=count)
+        for (n, k), out in zip(self.rows, outs):
+            scales = as_dtype(segs[:, at:at + 4 * n], torch.float32)
+            codes = segs[:, at + 4 * n:at + 4 * n + n * k].contiguous().view(-1)
+            at += 4 * n + n * k
+            vals = unpack_values(codes, scales, k, 8, w * n * k).view(w, n * k)
+            torch.sum(vals, dim=0, out=out)
+            out.div_(w)
 
     def exchange(self, comm: Communicator, send: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor | None, FinishedWork]:
-        """Start the all-to-all: ``(g, count, work)``; ``g`` holds the averaged values and
-        ``count`` (None without the count) the summed counts once ``work.wait()`` returned."""
+                 ) -> tuple[list[torch.Tensor], torch.Tensor | None, FinishedWork]:
+        """Start the all-to-all: ``(gs, count, work)``; each bucket's ``g`` holds its
+        averaged values and ``count`` (None without it) the summed counts once
+        ``work.wait()`` returned."""
         recv = torch.empty_like(send)
-        g = torch.empty(self.n_local * self.k, dtype=torch.float32, device=self.device)
+        gs = [torch.empty(n * k, dtype=torch.float32, device=self.device) for n, k in self.rows]
         count = torch.empty(1, dtype=torch.float32, device=self.device) if self.head else None
-        return g, count, FinishedWork(comm.all_to_all(recv, send),
-                                      lambda: self.unpack_mean(recv, g, count))
+        return gs, count, FinishedWork(comm.all_to_all(recv, send),
+                                       lambda: self.unpack_mean(recv, gs, count))
 
 
 class ParamWire8:

@@ -2,7 +2,8 @@
 
 :func:`timed_communicator` wraps a :class:`scape.comm.Communicator` and adds the seconds spent
 blocked in ``Work.wait()`` (and barriers) to ``wait_s``; :class:`DDPCounter` counts the bytes
-and the all-reduce time of DDP's gradient buckets through a comm hook.
+and the all-reduce time of DDP's gradient buckets through a comm hook;
+:func:`delayed_communicator` adds a link's latency where the kernel has no ``netem``.
 """
 
 from __future__ import annotations
@@ -76,6 +77,81 @@ def timed_communicator(inner: Any) -> Any:
                 self.wait_s += time.perf_counter() - t0
 
     return TimedCommunicator()
+
+
+RING_STEPS = {"all_gather": 1, "reduce_scatter": 1, "all_to_all": 1, "all_reduce": 2,
+              "broadcast": 1}
+"""Per op, the multiple of ``W - 1`` message rounds a ring algorithm makes (an all-reduce is
+a reduce-scatter and an all-gather; an all-to-all, ``W - 1`` pairwise exchanges)."""
+
+
+def delayed_communicator(inner: Any, delay_s: float) -> Any:
+    """``inner`` on a link of one-way latency ``delay_s``, modelled: collectives run on
+    ``inner`` as they are, but one launched at ``t`` completes (``Work.wait()`` returns) no
+    sooner than ``max(t, the previous one's completion) + rounds * delay_s``, ``rounds =``
+    :data:`RING_STEPS` ``[op] * (W - 1)`` (collectives share the link in launch order, as
+    on one communicator's stream). The transfer time of the bytes is not added to it: use it
+    on an unshaped link, where that time is small. Barriers are not delayed."""
+    from scape.comm import Communicator, Work
+
+    class DelayedWork(Work):
+        def __init__(self, work: Any, done_at: float) -> None:
+            self._work, self._done_at = work, done_at
+
+        def wait(self) -> None:
+            self._work.wait()
+            left = self._done_at - time.perf_counter()
+            if left > 0:
+                time.sleep(left)
+
+        def is_completed(self) -> bool:
+            return bool(self._work.is_completed()) and time.perf_counter() >= self._done_at
+
+    class DelayedCommunicator(Communicator):
+        group = getattr(inner, "group", None)
+
+        def __init__(self) -> None:
+            self.inner = inner
+            self.rank, self.world_size, self.device = inner.rank, inner.world_size, inner.device
+            self._free_at = 0.0
+
+        def _delayed(self, op: str, work: Any) -> Work:
+            start = max(time.perf_counter(), self._free_at)
+            self._free_at = start + RING_STEPS[op] * (self.world_size - 1) * delay_s
+            return DelayedWork(work, self._free_at)
+
+        @property
+        def stats(self) -> Any:
+            return self.inner.stats
+
+        def _reducible_dtypes(self) -> tuple[torch.dtype, ...]:
+            return self.inner._reducible_dtypes()  # type: ignore[no-any-return]
+
+        def reset_stats(self) -> None:
+            self.inner.reset_stats()
+
+        def set_step(self, step: int | None) -> None:
+            self.inner.set_step(step)
+
+        def all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> Work:
+            return self._delayed("all_gather", self.inner.all_gather(out, inp))
+
+        def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, op: str = "avg") -> Work:
+            return self._delayed("reduce_scatter", self.inner.reduce_scatter(out, inp, op))
+
+        def all_to_all(self, out: torch.Tensor, inp: torch.Tensor) -> Work:
+            return self._delayed("all_to_all", self.inner.all_to_all(out, inp))
+
+        def all_reduce(self, t: torch.Tensor, op: str = "sum") -> Work:
+            return self._delayed("all_reduce", self.inner.all_reduce(t, op))
+
+        def broadcast(self, t: torch.Tensor, src: int) -> Work:
+            return self._delayed("broadcast", self.inner.broadcast(t, src))
+
+        def barrier(self) -> None:
+            self.inner.barrier()
+
+    return DelayedCommunicator()
 
 
 class DDPCounter:

@@ -16,6 +16,16 @@ a single half-duplex link for the whole job, a harsher model than a full-duplex 
 The delivered rate of a TCP stream is measured by ``tests/test_netns.py`` and by
 ``python -m bench.engine.netns --measure RATE``.
 
+A link may also add latency (a link spec ``"RATE+DELAY"``, e.g. ``"100mbit+10ms"``): a
+``netem`` qdisc holds every packet ``DELAY`` before the token bucket, its child::
+
+    ip netns exec NAME tc qdisc add dev lo root handle 1: netem delay DELAY limit 100000
+    ip netns exec NAME tc qdisc add dev lo parent 1:1 handle 10: tbf rate RATE ...
+
+Each packet crosses ``lo`` once, so a message is delayed ``DELAY`` and a round trip (a
+message and its answer, a TCP segment and its acknowledgement) ``2 * DELAY``: the link of two
+sites ``DELAY`` apart. ``tests/test_netns.py`` measures the round trip.
+
     with shaped_namespace("100mbit") as ns:
         subprocess.run(ns.wrap([sys.executable, "-m", "train"]), check=True)
 
@@ -108,6 +118,25 @@ def available() -> tuple[bool, str]:
     return True, ""
 
 
+def netem_available() -> tuple[bool, str]:
+    """Whether a namespace's loopback can take a ``netem`` delay here (the kernel's
+    ``sch_netem``), and why not."""
+    ok, why = available()
+    if not ok:
+        return ok, why
+    name = f"scape-probe-{os.getpid()}-{secrets.token_hex(3)}"
+    try:
+        _run(["ip", "netns", "add", name])
+        probe = subprocess.run(["ip", "netns", "exec", name, "tc", "qdisc", "add", "dev", "lo",
+                                "root", "netem", "delay", "1ms"], capture_output=True,
+                               text=True, timeout=30)
+        if probe.returncode != 0:
+            return False, f"'tc qdisc add ... netem' failed: {probe.stderr.strip()}"
+        return True, ""
+    finally:
+        subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30)
+
+
 def require() -> None:
     """Raise ``RuntimeError`` with the reason when shaped namespaces are not available."""
     ok, reason = available()
@@ -115,6 +144,38 @@ def require() -> None:
         raise RuntimeError(f"bandwidth emulation (--bandwidth) is not available: {reason}. "
                            "Run as root on Linux with iproute2 installed, or leave "
                            "--bandwidth unset to use the plain loopback.")
+
+
+def parse_delay(delay: str | int | float) -> float:
+    """Milliseconds of a tc-style delay: ``"10ms"``, ``"0.05s"``, ``"500us"``, or a number
+    of milliseconds; in (0, 10 s]."""
+    if isinstance(delay, bool):
+        raise TypeError(f"delay must be a string like '10ms' or a number, got {delay!r}")
+    if isinstance(delay, (int, float)):
+        ms = float(delay)
+    elif isinstance(delay, str):
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*(us|ms|s)\s*", delay)
+        if not m:
+            raise ValueError(f"delay must look like '10ms', '0.05s' or '500us', got {delay!r}")
+        ms = float(m.group(1)) * {"us": 1e-3, "ms": 1.0, "s": 1e3}[m.group(2)]
+    else:
+        raise TypeError(f"delay must be a string like '10ms' or a number, got "
+                        f"{type(delay).__name__}")
+    if not 0.0 < ms <= 10_000.0:
+        raise ValueError(f"delay must be in (0, 10 s], got {delay!r}")
+    return ms
+
+
+def split_link(link: str) -> tuple[str, str | None]:
+    """``"100mbit+10ms"`` -> ``("100mbit", "10ms")``; ``"100mbit"`` -> ``("100mbit", None)``;
+    both parts checked."""
+    if not isinstance(link, str):
+        raise TypeError(f"link must be a string like '100mbit' or '100mbit+10ms', got {link!r}")
+    rate, plus, delay = link.partition("+")
+    parse_rate(rate)
+    if plus:
+        parse_delay(delay)
+    return rate.strip(), (delay.strip() if plus else None)
 
 
 def namespaces() -> list[str]:
@@ -175,16 +236,25 @@ def _alive(pid: int) -> bool:
 
 
 @contextlib.contextmanager
-def shaped_namespace(rate: str | int | float) -> Iterator[ShapedNamespace]:
-    """A fresh namespace whose loopback is limited to ``rate``; deleted on exit."""
+def shaped_namespace(rate: str | int | float,
+                     delay: str | int | float | None = None) -> Iterator[ShapedNamespace]:
+    """A fresh namespace whose loopback is limited to ``rate`` (and delays every packet by
+    ``delay``, module docstring); deleted on exit."""
     bits = parse_rate(rate)
+    ms = None if delay is None else parse_delay(delay)
     require()
     ns = ShapedNamespace(f"scape-{os.getpid()}-{secrets.token_hex(4)}", bits)
     try:
         _run(["ip", "netns", "add", ns.name])
         _run([*ns.prefix, "ip", "link", "set", "lo", "up"])
-        _run([*ns.prefix, "tc", "qdisc", "add", "dev", "lo", "root", "tbf", "rate",
-              f"{bits}bit", "burst", BURST, "latency", LATENCY])
+        tbf = ["tbf", "rate", f"{bits}bit", "burst", BURST, "latency", LATENCY]
+        if ms is None:
+            _run([*ns.prefix, "tc", "qdisc", "add", "dev", "lo", "root", *tbf])
+        else:
+            _run([*ns.prefix, "tc", "qdisc", "add", "dev", "lo", "root", "handle", "1:",
+                  "netem", "delay", f"{ms}ms", "limit", "100000"])
+            _run([*ns.prefix, "tc", "qdisc", "add", "dev", "lo", "parent", "1:1", "handle",
+                  "10:", *tbf])
         yield ns
     finally:
         # Runs on exceptions and KeyboardInterrupt too. A second Ctrl-C during cleanup
@@ -196,10 +266,14 @@ def shaped_namespace(rate: str | int | float) -> Iterator[ShapedNamespace]:
 
 @contextlib.contextmanager
 def shaped_command(cmd: list[str], rate: str | int | float) -> Iterator[list[str]]:
-    """``cmd`` prefixed to run inside a fresh shaped namespace (deleted on exit)."""
+    """``cmd`` prefixed to run inside a fresh shaped namespace (deleted on exit); ``rate``
+    may be a link spec with a delay, ``"100mbit+10ms"``."""
     if not isinstance(cmd, (list, tuple)) or not all(isinstance(c, str) for c in cmd):
         raise TypeError(f"cmd must be a list of strings, got {cmd!r}")
-    with shaped_namespace(rate) as ns:
+    delay = None
+    if isinstance(rate, str):
+        rate, delay = split_link(rate)
+    with shaped_namespace(rate, delay) as ns:
         yield ns.wrap(list(cmd))
 
 
@@ -233,6 +307,45 @@ while left > 0:
     n = min(left, len(block)); s.sendall(block[:n]); left -= n
 s.shutdown(socket.SHUT_WR); s.close()
 """
+
+
+_ECHO = r"""
+import socket, sys, time
+srv = socket.socket(); srv.bind(("127.0.0.1", 0)); srv.listen(1)
+print(srv.getsockname()[1], flush=True)
+conn, _ = srv.accept(); conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+while True:
+    b = conn.recv(1)
+    if not b:
+        break
+    conn.sendall(b)
+"""
+
+_PING = r"""
+import socket, sys, time
+s = socket.create_connection(("127.0.0.1", int(sys.argv[1])))
+s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+rtts = []
+for _ in range(int(sys.argv[2])):
+    t = time.perf_counter(); s.sendall(b"x"); s.recv(1); rtts.append(time.perf_counter() - t)
+print(sorted(rtts)[len(rtts) // 2])
+"""
+
+
+def measure_rtt(prefix: list[str], n: int = 7, timeout: float = 60.0) -> float:
+    """Median seconds of a one-byte TCP round trip between two processes started with
+    ``prefix`` (e.g. a namespace's)."""
+    echo = subprocess.Popen([*prefix, sys.executable, "-c", _ECHO], stdout=subprocess.PIPE,
+                            text=True)
+    try:
+        assert echo.stdout is not None
+        port = echo.stdout.readline().strip()
+        out = subprocess.run([*prefix, sys.executable, "-c", _PING, port, str(n)], check=True,
+                             capture_output=True, text=True, timeout=timeout).stdout
+    finally:
+        echo.kill()
+        echo.wait()
+    return float(out)
 
 
 def measure_tcp_rate(prefix: list[str], nbytes: int, timeout: float = 60.0, *,

@@ -138,6 +138,10 @@ class RunConfig:
     a node); False: one flat group of every rank."""
     node_netns: list[str] | None = None
     """Per node, the network namespace its ranks enter (:mod:`bench.engine.netns_nodes`)."""
+    link_delay_ms: float = 0.0
+    """A link latency modelled in the optimizer's communicator (one way, per message round:
+    :func:`bench.engine.comm_timing.delayed_communicator`), for machines whose kernel has no
+    ``netem`` (:mod:`bench.engine.netns` adds it on the link where it has); 0: none."""
     fsdp2: bool = False
     """Shard the model with FSDP2 (``fully_shard`` per block, then the root) over each node's
     ranks, the ``dp_shard`` dimension of the ``(nodes, per_node)`` mesh, and give the
@@ -217,6 +221,13 @@ class RunConfig:
         if self.node_netns is not None and len(self.node_netns) != self.nodes:
             raise ValueError(f"RunConfig.node_netns must name one namespace per node "
                              f"({self.nodes}), got {self.node_netns!r}")
+        if isinstance(self.link_delay_ms, bool) or not isinstance(
+                self.link_delay_ms, (int, float)) or not 0.0 <= self.link_delay_ms <= 10_000.0:
+            raise ValueError(f"RunConfig.link_delay_ms must be in [0, 10000], got "
+                             f"{self.link_delay_ms!r}")
+        if self.link_delay_ms and (self.two_level or self.fsdp2):
+            raise ValueError("RunConfig.link_delay_ms models one flat group's link: not with "
+                             "two_level or fsdp2")
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"RunConfig.device must be 'cpu' or 'cuda', got {self.device!r}")
         if self.model not in PRESETS:

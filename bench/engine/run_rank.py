@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from bench.engine import netns_nodes
-from bench.engine.comm_timing import DDPCounter, timed_communicator
+from bench.engine.comm_timing import DDPCounter, delayed_communicator, timed_communicator
 from bench.engine.nullcomm import NullCommunicator
 from bench.engine.optimizers import OPTIMIZERS, Spec, build
 from bench.engine.run_config import RunConfig, hook_factory, lr_at
@@ -121,6 +121,8 @@ def build_rank(cfg: RunConfig, rank: int, world: int, device: torch.device,
     else:
         inner = NullCommunicator(world, rank) if entry.comm == "null" \
             else TorchCommunicator(timeout=cfg.timeout_s)
+        if cfg.link_delay_ms and entry.comm != "null":
+            inner = delayed_communicator(inner, cfg.link_delay_ms / 1e3)
         comm = timed_communicator(inner)
     opt: Any = build(cfg.optimizer, groups, spec, comm)
     if cfg.attach and hasattr(opt, "attach"):
@@ -328,6 +330,7 @@ def train_loop(cfg: RunConfig, ctx: RankContext, work: Any, model: Any, opt: Any
         for hook in before:  # RunConfig.hooks
             hook(step)
         bytes_before = {op: int(v["bytes"]) for op, v in counter.stats.items()}
+        calls_before = sum(int(v["calls"]) for v in counter.stats.values())
         link_before = _link_tx() if cfg.node_netns is not None else 0
         wait_before = counter.wait_s
         t0 = time.perf_counter()
@@ -356,6 +359,8 @@ def train_loop(cfg: RunConfig, ctx: RankContext, work: Any, model: Any, opt: Any
                 for op, v in counter.stats.items()}
         records.append({"step_s": step_s, "wait_s": wait_s,
                         "bytes": {op: b for op, b in sent.items() if b},
+                        "calls": sum(int(v["calls"]) for v in counter.stats.values())
+                        - calls_before,
                         "train_loss": float(loss_sum) / cfg.grad_accum,
                         "dense": bool(getattr(getattr(opt, "last_step", None), "dense", True)),
                         **({"link_tx": _link_tx() - link_before} if cfg.node_netns else {})})

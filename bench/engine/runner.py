@@ -131,6 +131,7 @@ def summarize(cfg: RunConfig, ranks: list[dict[str, Any]], wall_s: float) -> dic
         "step_s": [r["step_s"] for r in r0["records"]],
         "bytes_per_step": bytes_steady,
         "bytes_per_step_total": sum(bytes_steady.values()),
+        "collectives_per_step": _median([float(r.get("calls", 0)) for r in steady]),
         "bytes_per_step_mean_all_steps": sum(bytes_mean.values()),
         "bytes_by_step": [sum(r["bytes"].values()) for r in r0["records"]],
         "bytes_last_step": dict(r0["records"][-1]["bytes"]),
