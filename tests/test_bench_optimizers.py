@@ -109,3 +109,24 @@ def test_unknown_rule_names_reach_the_optimizer():
     with pytest.raises(ValueError, match="Invalid update rule: 'lazy-explore2'"):
         build("scape", [torch.nn.Parameter(torch.zeros(4096))],
               Spec(lr=1e-3, sparsity=0.9, kwargs={"update": "lazy-explore2"}))
+
+
+def test_link_delay_is_checked():
+    assert RunConfig(optimizer="scape", sparsity=0.99, link_delay_ms=10).link_delay_ms == 10
+    for bad in (-1.0, 20_000.0, True, "10ms"):
+        with pytest.raises(ValueError, match="RunConfig.link_delay_ms"):
+            RunConfig(optimizer="scape", sparsity=0.99, link_delay_ms=bad)
+    with pytest.raises(ValueError, match="RunConfig.link_delay_ms models one flat group"):
+        RunConfig(optimizer="scape", sparsity=0.99, link_delay_ms=10, world=4, nodes=2,
+                  two_level=True)
+
+
+def test_wire8_rows_build_both_wires():
+    spec = Spec(lr=1e-3, sparsity=0.99, kwargs={"grad_comm_dtype": "int8",
+                                                "param_comm_dtype": "int8"})
+    p = torch.nn.Parameter(torch.randn(4096))
+    opt = build("scape", [{"params": [p]}], spec, NullCommunicator(1, 0))
+    assert opt.grad_comm_dtype == torch.int8 and opt.param_comm_dtype == torch.int8
+    with pytest.raises(ValueError, match="param_comm_dtype.*not a torch dtype"):
+        build("scape", [{"params": [p]}], Spec(lr=1e-3, sparsity=0.99, kwargs={
+            "param_comm_dtype": "int9"}), NullCommunicator(1, 0))

@@ -86,3 +86,60 @@ def test_namespace_removed_on_exception_and_leftovers_stopped():
             raise KeyboardInterrupt
     assert proc.wait(timeout=10) is not None  # the leftover sleeper was terminated
     assert name not in netns.namespaces()
+
+
+@pytest.mark.parametrize("text, ms", [("10ms", 10.0), ("0.05s", 50.0), ("500us", 0.5),
+                                      (" 2.5ms ", 2.5), (20, 20.0)])
+def test_parse_delay(text, ms):
+    assert netns.parse_delay(text) == pytest.approx(ms)
+
+
+@pytest.mark.parametrize("bad, exc", [("10", ValueError), ("fast", ValueError),
+                                      ("0ms", ValueError), ("11s", ValueError),
+                                      (True, TypeError), (None, TypeError)])
+def test_parse_delay_rejects(bad, exc):
+    with pytest.raises(exc, match="delay"):
+        netns.parse_delay(bad)
+
+
+def test_split_link():
+    assert netns.split_link("100mbit+10ms") == ("100mbit", "10ms")
+    assert netns.split_link("1gbit") == ("1gbit", None)
+    with pytest.raises(ValueError, match="delay"):
+        netns.split_link("1gbit+soon")
+    with pytest.raises(ValueError, match="rate"):
+        netns.split_link("fast+10ms")
+
+
+_NETEM, _NETEM_WHY = netns.netem_available() if _OK else (False, _REASON)
+
+
+@pytest.mark.skipif(not _NETEM, reason=f"netem unavailable: {_NETEM_WHY}")
+@pytest.mark.timeout(60)
+def test_delay_adds_two_delays_to_a_round_trip():
+    with netns.shaped_namespace("1gbit", "20ms") as ns:
+        rtt = netns.measure_rtt(ns.prefix)
+    with netns.shaped_namespace("1gbit") as ns:
+        plain = netns.measure_rtt(ns.prefix)
+    assert 0.040 <= rtt - plain <= 0.060, (rtt, plain)
+
+
+def test_delayed_communicator_completes_no_sooner_than_its_rounds():
+    """The latency model (bench.engine.comm_timing): a collective waits at least its ring's
+    rounds times the delay after the link is free; collectives queue on the link."""
+    import torch
+
+    from bench.engine.comm_timing import delayed_communicator
+    from bench.engine.nullcomm import NullCommunicator
+
+    comm = delayed_communicator(NullCommunicator(4, 1), 0.02)  # 3 rounds a ring collective
+    x = torch.full((8,), float("nan"))
+    t0 = time.perf_counter()
+    first = comm.all_gather(torch.empty(32), x)
+    second = comm.all_reduce(torch.zeros(4))  # 6 rounds, after the first
+    first.wait()
+    t1 = time.perf_counter() - t0
+    second.wait()
+    t2 = time.perf_counter() - t0
+    assert t1 >= 3 * 0.02 and t2 >= 9 * 0.02, (t1, t2)
+    assert comm.stats["all_gather"]["calls"] == 1  # the inner communicator's counters
