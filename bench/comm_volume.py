@@ -4,14 +4,14 @@ GPT-345M, Llama-500M and Llama-1.8B at W = 8, 32, 256, from the library's own co
 Those models cannot be allocated here (1.8B parameters are 7 GB per fp32 buffer), so the
 numbers come from the library in two pieces, neither of which re-types the byte formula:
 
-1. **Bytes per synchronized coordinate, measured.** ``scape.SCAPE`` runs real steps on a
-   small proxy (bf16 parameters, bf16 gradients on the wire -- the paper's setting) with a
+1. **Bytes per synchronized coordinate, measured.** ``scape.SCAPE`` runs real steps on two
+   small proxies (bf16 parameters, bf16 gradients on the wire -- the paper's setting) with a
    :class:`bench.engine.nullcomm.NullCommunicator` playing rank 0 of W (it counts bytes exactly as
    the real backends do). ``opt.last_step.bytes`` of a steady dense step and of a steady
-   sparse step, divided by the optimizer's own ``N_pad`` and ``K`` (``bucket.n_pad``,
-   ``mask.n_blocks * mask.k``), gives bytes per coordinate for each collective, plus the
-   fixed 8-byte scalar all-reduce. A second, larger proxy checks the scaling: its measured
-   bytes must equal the prediction from the first proxy's per-coordinate bytes.
+   sparse step, against the optimizer's own ``N_pad`` and ``K`` (``bucket.n_pad``,
+   ``mask.n_blocks * mask.k``), gives each collective's bytes per coordinate and its fixed
+   part (a line through the two proxies: the scalars a step carries do not grow with the
+   model). A third proxy checks the scaling: its measured bytes must equal the prediction.
 2. **Sizes of the real models, from the library's layout code.** ``scape.buffers.Bucket``
    builds the flat buffers of a parameter of the model's size on the ``meta`` device (no
    memory), which gives ``N_pad`` (padding to a multiple of W*B); ``K = N_pad / B * k_b``
@@ -62,14 +62,15 @@ def _proxy_params(n: int, seed: int) -> list[torch.nn.Parameter]:
 
 
 def measure_step_bytes(n: int, world: int, sparsity: float, steps: int = 3,
-                       seed: int = 0, wire: torch.dtype = WIRE_DTYPE) -> dict[str, Any]:
+                       seed: int = 0, wire: torch.dtype = WIRE_DTYPE,
+                       param_wire: torch.dtype | None = None) -> dict[str, Any]:
     """Run ``steps`` SCAPE steps (the first dense) as rank 0 of ``world`` on a proxy of ``n``
     parameters; return the last step's bytes by op and the optimizer's N_pad and K."""
     params = _proxy_params(n, seed)
     comm = NullCommunicator(world, 0)
     opt = scape.SCAPE(params, lr=1e-3, sparsity=sparsity, warmup_steps=1,
                       block_size=BLOCK_SIZE, update=UPDATE, grad_comm_dtype=wire,
-                      comm=comm)
+                      param_comm_dtype=param_wire, comm=comm)
     opt.ramp_steps = 0  # a sparse step at ``sparsity``, not on the start's ramp
     gen = torch.Generator().manual_seed(seed + 1)
     for _ in range(steps):
@@ -84,15 +85,23 @@ def measure_step_bytes(n: int, world: int, sparsity: float, steps: int = 3,
             "dense": info.dense, "bytes": dict(info.bytes)}
 
 
-def per_coordinate(measured: dict[str, Any]) -> dict[str, float]:
-    """Bytes per synchronized coordinate for each collective; the scalar all-reduce stays a
-    constant (it does not grow with the model)."""
-    count = measured["n_pad"] if measured["dense"] else measured["k"]
-    return {op: (b if op == "all_reduce" else b / count) for op, b in measured["bytes"].items()}
+def _count(measured: dict[str, Any]) -> int:
+    return measured["n_pad"] if measured["dense"] else measured["k"]
 
 
-def predict(costs: dict[str, float], count: int) -> dict[str, int]:
-    return {op: int(round(c if op == "all_reduce" else c * count)) for op, c in costs.items()}
+def per_coordinate(a: dict[str, Any], b: dict[str, Any]) -> dict[str, tuple[float, float]]:
+    """Per collective, ``(bytes per synchronized coordinate, fixed bytes)`` through two
+    measurements of different sizes (the scalars a step carries are the fixed part)."""
+    ca, cb = _count(a), _count(b)
+    out = {}
+    for op in a["bytes"]:
+        slope = (b["bytes"][op] - a["bytes"][op]) / (cb - ca)
+        out[op] = (slope, a["bytes"][op] - slope * ca)
+    return out
+
+
+def predict(costs: dict[str, tuple[float, float]], count: int) -> dict[str, int]:
+    return {op: int(round(slope * count + fixed)) for op, (slope, fixed) in costs.items()}
 
 
 def layout(n: int, world: int, sparsity: float) -> tuple[int, int | None]:
@@ -105,31 +114,36 @@ def layout(n: int, world: int, sparsity: float) -> tuple[int, int | None]:
     return bucket.n_pad, bucket.n_pad // BLOCK_SIZE * k_b
 
 
-def calibrate(world: int, sparsity: float, wire: torch.dtype = WIRE_DTYPE) -> dict[str, Any]:
-    """Per-coordinate bytes from a proxy of ~1.5 W*B parameters, checked on one of ~3.2 W*B
-    to within what byte padding leaves (each rank's packed offsets up to 1 byte, each
-    segment of the 8-bit wire up to 3: ``4 W`` bytes per collective). The dense row is dense
-    AdamS's, in ``WIRE_DTYPE`` whatever ``wire`` is."""
+def calibrate(world: int, sparsity: float, wire: torch.dtype = WIRE_DTYPE,
+              param_wire: torch.dtype | None = None) -> dict[str, Any]:
+    """Per-coordinate and fixed bytes from proxies of ~1.5 and ~4.3 W*B parameters, checked
+    on one of ~3.2 W*B to within what byte padding leaves (each rank's packed offsets up to
+    1 byte, each segment of the 8-bit wire up to 3: ``4 W`` bytes per collective). The dense
+    row is dense AdamS's, in ``WIRE_DTYPE`` whatever the wires are."""
     if sparsity == 0.0:
-        wire = WIRE_DTYPE
+        wire, param_wire = WIRE_DTYPE, None
     unit = world * BLOCK_SIZE
-    small = measure_step_bytes(unit + unit // 2 + 77, world, sparsity, wire=wire)
-    costs = per_coordinate(small)
-    large = measure_step_bytes(3 * unit + unit // 5 + 5, world, sparsity, seed=1, wire=wire)
-    count = large["n_pad"] if large["dense"] else large["k"]
+    small = measure_step_bytes(unit + unit // 2 + 77, world, sparsity, wire=wire,
+                               param_wire=param_wire)
+    big = measure_step_bytes(4 * unit + unit // 3 + 11, world, sparsity, seed=2, wire=wire,
+                             param_wire=param_wire)
+    costs = per_coordinate(small, big)
+    large = measure_step_bytes(3 * unit + unit // 5 + 5, world, sparsity, seed=1, wire=wire,
+                               param_wire=param_wire)
+    count = _count(large)
     predicted = predict(costs, count)
     return {"costs": costs, "proxy": small, "check": large, "check_predicted": predicted,
             "check_ok": predicted.keys() == large["bytes"].keys() and all(
                 abs(predicted[op] - large["bytes"][op]) <= 4 * world for op in predicted)}
 
 
-def report(models: list[str], worlds: list[int], wire: torch.dtype = WIRE_DTYPE
-           ) -> dict[str, Any]:
+def report(models: list[str], worlds: list[int], wire: torch.dtype = WIRE_DTYPE,
+           param_wire: torch.dtype | None = None) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
     calibrations: list[dict[str, Any]] = []
     for world in worlds:
         for sp in SPARSITIES:
-            cal = calibrate(world, sp, wire)
+            cal = calibrate(world, sp, wire, param_wire)
             calibrations.append({"world": world, "sparsity": sp, **cal})
             for name in models:
                 n = MODELS[name].n_params()
@@ -137,7 +151,8 @@ def report(models: list[str], worlds: list[int], wire: torch.dtype = WIRE_DTYPE
                 by_op = predict(cal["costs"], n_pad if k is None else k)
                 total = sum(by_op.values())
                 b_g = (wire if sp else WIRE_DTYPE).itemsize  # dense AdamS: WIRE_DTYPE
-                formula = bytes_per_step(n, world, sp, grad_bytes=b_g, param_bytes=2,
+                b_p = 1 if param_wire == torch.int8 and sp else 2
+                formula = bytes_per_step(n, world, sp, grad_bytes=b_g, param_bytes=b_p,
                                          block_size=BLOCK_SIZE,
                                          offset_bits=offset_bits(BLOCK_SIZE))
                 rows.append({"model": name, "n_params": n, "world": world, "sparsity": sp,
@@ -149,7 +164,10 @@ def report(models: list[str], worlds: list[int], wire: torch.dtype = WIRE_DTYPE
                      and d["sparsity"] == 0.0)
         r["ratio_to_dense"] = r["bytes_per_step"] / dense["bytes_per_step"]
     return {"schema": SCHEMA, "date": datetime.date.today().isoformat(),
-            "wire": "bf16 parameters, bf16 gradients", "block_size": BLOCK_SIZE,
+            "wire": "bf16 parameters, " + ("bf16 gradients" if wire == WIRE_DTYPE else
+                                           f"gradients {wire}") + (
+                "" if param_wire is None else f", parameter updates {param_wire}"),
+            "block_size": BLOCK_SIZE,
             "explore": EXPLORE, "rows": rows, "calibration": calibrations}
 
 
@@ -177,11 +195,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--int8", action="store_true", help="the 8-bit gradient wire "
                     "(grad_comm_dtype=torch.int8; its formula column counts 1 byte per value, "
                     "without the row scales)")
+    ap.add_argument("--wire8", action="store_true", help="the whole 8-bit wire: --int8 and "
+                    "8-bit parameter updates (param_comm_dtype=torch.int8)")
     args = ap.parse_args(argv)
     models = ["GPT-345M"] if args.smoke else list(MODELS)
     worlds = [8] if args.smoke else list(WORLDS)
     torch.set_num_threads(1)
-    rep = report(models, worlds, torch.int8 if args.int8 else WIRE_DTYPE)
+    rep = report(models, worlds, torch.int8 if args.int8 or args.wire8 else WIRE_DTYPE,
+                 torch.int8 if args.wire8 else None)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(rep, f, indent=1)

@@ -1,20 +1,26 @@
 """``scape.SCAPE``: sharded AdamS with masks synchronized one step late.
 
-One sparse step t for one bucket (docs/design.md, DESIGN §1; the mask ``M_t`` is already on
-every rank)::
+One sparse step t (docs/design.md, DESIGN §1; the mask ``M_t`` is already on every rank)::
 
     take        c = buf[M_t]; buf[M_t] = 0           (buf: gradient + residual, fp32)
-    reduce-scatter (avg) c                           -> owner gets g (k_s values)
-    one scalar all-reduce [|g|^2, non-finite count]  -> clip or skip, on every rank
+    reduce-scatter (avg) every bucket's c and this rank's non-finite count, in ONE
+                                                     -> owner gets g (k_s values), count > 0:
+                                                        every rank skips
     update      rule(shard, g, M_t[own rows])        -> new values at M_t (model dtype)
-    all-gather  the new values (async)               -> scatter into every model
     mask        M_{t+1} = per-block top-|score| (+ oldest by age) of the own shard
                 (score: the rule's; the first moment ``m`` in DESIGN §1)
-    all-gather  M_{t+1} (log2(B) bits each, async)   -> waited at step t+1's take
+    all-gather  every bucket's new values, M_{t+1} (log2(B) bits each) and |g|^2, in ONE
+                (async)                              -> scatter into every model; the mask is
+                                                        unpacked at step t+1's take
 
-Bytes per rank and sparse step: ``K * (b_g + b_p + log2(B) / 8)`` (each rank's offsets
-rounded up to a byte) plus the 8-byte scalar all-reduce, with ``K = W * (S / B) * k_b``,
-``k_b = max(1, round(density * B))``; :mod:`scape.wire` for the 8-bit gradient wire.
+With clipping (its coefficient needs ``|g|`` before the update), two levels, a DTensor mesh or
+a dense bucket, each bucket has its own collectives and one scalar all-reduce of
+``[|g|^2, non-finite count]`` decides clipping and the skip.
+
+Bytes per rank and sparse step: ``K * (b_g + b_p + log2(B) / 8) + W * (b_g + 4)`` (each
+rank's offsets rounded up to a byte; ``+ 8``, the all-reduce, instead of ``W * (b_g + 4)``
+where the scalars do not ride), with ``K = W * (S / B) * k_b``,
+``k_b = max(1, round(density * B))``; :mod:`scape.wire` for the 8-bit wires.
 
 A sparse group's ``sparsity`` may change between steps, like its ``lr`` (a sparsity warm-up,
 :func:`scape.sparsity_ramp`): the mask of step t+1 is made at the end of step t from the
