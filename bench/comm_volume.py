@@ -116,19 +116,20 @@ def layout(n: int, world: int, sparsity: float) -> tuple[int, int | None]:
 
 def calibrate(world: int, sparsity: float, wire: torch.dtype = WIRE_DTYPE,
               param_wire: torch.dtype | None = None) -> dict[str, Any]:
-    """Per-coordinate and fixed bytes from proxies of ~1.5 and ~4.3 W*B parameters, checked
-    on one of ~3.2 W*B to within what byte padding leaves (each rank's packed offsets up to
-    1 byte, each segment of the 8-bit wire up to 3: ``4 W`` bytes per collective). The dense
-    row is dense AdamS's, in ``WIRE_DTYPE`` whatever the wires are."""
+    """Per-coordinate and fixed bytes from proxies of 2 and 6 blocks per rank, checked on one
+    of 10 to within what byte padding leaves (each rank's packed offsets up to 1 byte, each
+    segment of the 8-bit wire up to 3: ``4 W`` bytes per collective). The three have the
+    same padding (block counts alike mod 4), so the line through two is exact. The dense row
+    is dense AdamS's, in ``WIRE_DTYPE`` whatever the wires are."""
     if sparsity == 0.0:
         wire, param_wire = WIRE_DTYPE, None
     unit = world * BLOCK_SIZE
     small = measure_step_bytes(unit + unit // 2 + 77, world, sparsity, wire=wire,
                                param_wire=param_wire)
-    big = measure_step_bytes(4 * unit + unit // 3 + 11, world, sparsity, seed=2, wire=wire,
+    big = measure_step_bytes(5 * unit + unit // 3 + 11, world, sparsity, seed=2, wire=wire,
                              param_wire=param_wire)
     costs = per_coordinate(small, big)
-    large = measure_step_bytes(3 * unit + unit // 5 + 5, world, sparsity, seed=1, wire=wire,
+    large = measure_step_bytes(9 * unit + unit // 5 + 5, world, sparsity, seed=1, wire=wire,
                                param_wire=param_wire)
     count = _count(large)
     predicted = predict(costs, count)
@@ -177,7 +178,7 @@ def _mb(b: float) -> str:
 
 def print_report(rep: dict[str, Any]) -> None:
     ok = all(c["check_ok"] for c in rep["calibration"])
-    print(f"per-coordinate bytes measured on proxies; scaling check on a second proxy: "
+    print(f"per-coordinate bytes measured on proxies; scaling check on a third proxy: "
           f"{'within byte padding for every (W, sparsity)' if ok else 'FAILED'}")
     print(f"{'model':11} {'W':>4} {'sparsity':>8} {'MB/step/rank':>13} {'DESIGN MB':>10} "
           f"{'vs DESIGN':>9} {'vs dense':>10}")

@@ -236,6 +236,19 @@ def test_step_time_smoke(tmp_path):
     assert os.path.exists(tmp_path / "step_time_runs" / "scape-0.99@unshaped.json")
 
 
+@pytest.mark.timeout(120)
+def test_step_time_latency_smoke(tmp_path):
+    out = tmp_path / "step_time.json"
+    _run(["bench.step_time", "--smoke", "--delays", "5ms", "--optimizers", "scape-0.99",
+          "--out", str(out)], timeout=100)
+    rep = json.loads(out.read_text())
+    (cell,) = rep["cells"]
+    assert rep["latency"] == "netem" or rep["latency"].startswith("modelled")
+    assert cell["rate"] in ("1gbit+5ms", "+5ms (modelled)")
+    assert cell["collectives_per_step"] == 2  # a sparse step's two, riding the scalars
+    assert cell["median_step_s"] >= 2 * (rep["workload"]["world"] - 1) * 0.005
+
+
 @pytest.mark.timeout(60)
 def test_comm_volume_smoke(tmp_path):
     from bench.projection import MODELS
