@@ -48,8 +48,11 @@ OPTIMIZERS = {
 WIRE8_ROWS = {
     "scape_0.9_int8": ("scape", 0.9, {"warmup_steps": 1, "grad_comm_dtype": "int8"}),
     "scape_0.99_int8": ("scape", 0.99, {"warmup_steps": 1, "grad_comm_dtype": "int8"}),
+    "scape_0.99_wire8": ("scape", 0.99, {"warmup_steps": 1, "grad_comm_dtype": "int8",
+                                         "param_comm_dtype": "int8"}),
 }
-"""The 8-bit wire's rows (``--int8``), timed beside the others."""
+"""The 8-bit wires' rows (``--int8``: gradients; ``wire8`` also parameter updates), timed
+beside the others."""
 
 
 def build(model_name: str, world: int, kind: str, update: str | None = None,
@@ -147,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--groups", action="store_true", help="decay and no_decay param groups "
                     "instead of one group")
     ap.add_argument("--int8", action="store_true", help="also the SCAPE rows with the 8-bit "
-                    "wire (grad_comm_dtype=torch.int8)")
+                    "wires (grad_comm_dtype=torch.int8, and param_comm_dtype=torch.int8 too)")
     args = ap.parse_args(argv)
     if args.smoke:
         args.model, args.world, args.steps = "tiny", 2, 3
