@@ -49,10 +49,11 @@ def formula_bytes(run: dict[str, Any], world: int) -> int | None:
     padded coordinates (``run["n_pad"]``), ``K = (N_pad / B) * k_b`` mask coordinates.
 
     DDP all-reduce ``2 * 4 * N``; dense sharded AdamS and DistributedAdamW ``N_pad * (4 + 4)
-    + 8``; a SCAPE sparse step ``K * (4 + 4) + 8`` and each rank's offsets packed to
-    ``log2(B)`` bits (:func:`scape.wire.offsets_bytes`); top-k ``W * K * (2 + 4)``. None where
-    the row has no single per-step formula (local-step rows, the compute-only floor, a
-    per-group split)."""
+    + 8``; a SCAPE sparse step ``K * (4 + 4)``, each rank's offsets packed to ``log2(B)`` bits
+    (:func:`scape.wire.offsets_bytes`) and each rank's count and sum of squares (``W * 8``,
+    riding in the step's two collectives); top-k ``W * K * (2 + 4)``. None where the row has
+    no single per-step formula (local-step rows, the compute-only floor, a per-group split,
+    the 8-bit wires, clipping)."""
     cfg, n_pad = run["config"], run.get("n_pad")
     opt = cfg["optimizer"]
     if opt == "adamw_ddp":
@@ -61,7 +62,9 @@ def formula_bytes(run: dict[str, Any], world: int) -> int | None:
         return None
     if opt in ("adams", "dist_adamw"):
         return 8 * n_pad + 8
-    if opt not in ("scape", "topk") or cfg.get("group_sparsity"):
+    kw = cfg.get("optimizer_kwargs") or {}
+    if opt not in ("scape", "topk") or cfg.get("group_sparsity") or any(
+            k in kw for k in ("grad_comm_dtype", "param_comm_dtype", "max_grad_norm")):
         return None
     settings = run.get("optimizer_settings", {})
     block = int(settings.get("block_size", 4096))
@@ -71,7 +74,7 @@ def formula_bytes(run: dict[str, Any], world: int) -> int | None:
         # each bucket's rows per rank and k (the embeddings' bucket has its own k; a record
         # without them: one bucket), every rank's offsets packed apart to log2(B) bits
         rows = run.get("mask_rows") or [[n_pad // block // world, k_b]]
-        return (n_pad // block) * k_b * ENTRY_BYTES + 8 \
+        return (n_pad // block) * k_b * ENTRY_BYTES + world * 8 \
             + sum(world * offsets_bytes(n * k, block) for n, k in rows)
     return world * mask_coords(n_pad, cfg["sparsity"], block, explore) * 6
 

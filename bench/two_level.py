@@ -93,8 +93,8 @@ def formula(row: str, n_pad: int, block: int = 4096, explore: float = 0.1
                 "intra": n_pad * 4 + k * 4 + world * per_rank + 8}
     if row == "dense_hsdp":
         return {"inter": n_pad // PER_NODE * 8 + 8, "intra": n_pad * 8 + 8}
-    if row == "flat":
-        return {"flat": k * ENTRY_BYTES + world * per_rank + 8}
+    if row == "flat":  # the scalars ride: each rank's count (fp32) and sum of squares
+        return {"flat": k * ENTRY_BYTES + world * per_rank + world * (4 + 4)}
     if row == "fsdp2_scape":  # n_pad: the rank's local shard; SCAPE over the NODES replicas
         per_replica = offsets_bytes(k // NODES, block)
         return {"flat": k * ENTRY_BYTES + NODES * per_replica + 8}

@@ -39,9 +39,10 @@ def batch(step: int, rank: int, world: int, true_w: torch.Tensor):
 
 
 def expected_sparse_bytes(opt: scape.SCAPE) -> int:
-    """README "Cost": ``K * (b_g + b_p) + W * ceil(K / W * log2(B) / 8) + 8`` per sparse
-    bucket, summed (the next mask's offsets packed to ``log2(B)`` bits)."""
-    total = 8
+    """README "Cost": ``K * (b_g + b_p) + W * ceil(K / W * log2(B) / 8)`` per sparse bucket,
+    summed (the next mask's offsets packed to ``log2(B)`` bits), plus ``W * (b_g + 4)``: each
+    rank's non-finite count and sum of squares riding in the step's two collectives."""
+    total = opt.comm.world_size * (4 + 4)
     bits = max(8, BLOCK.bit_length() - 1)
     for b in opt.buckets:
         k_b = max(1, round((1 - opt.param_groups[b.group]["sparsity"]) * BLOCK))

@@ -261,9 +261,9 @@ def test_compare_tables_targets_and_headline():
     ("dist_adamw", 0.0, 8 * 81_920 + 8),
     # 20 blocks of 4096; k_b = round_half_up(0.01 * 4096) = 41; 0.9: 410; 8 bytes of values
     # per entry, and each of the 4 ranks' 5 * k_b offsets at 12 bits (205 -> 308 bytes,
-    # 2050 -> 3075 bytes)
-    ("scape", 0.99, 20 * 41 * 8 + 4 * 308 + 8),
-    ("scape", 0.9, 20 * 410 * 8 + 4 * 3075 + 8),
+    # 2050 -> 3075 bytes), and each rank's count and sum of squares riding (4 * 8)
+    ("scape", 0.99, 20 * 41 * 8 + 4 * 308 + 4 * 8),
+    ("scape", 0.9, 20 * 410 * 8 + 4 * 3075 + 4 * 8),
     ("topk", 0.99, 4 * 20 * 41 * 6),
 ])
 def test_formula_bytes(opt, sparsity, expected):
@@ -275,6 +275,8 @@ def test_formula_bytes(opt, sparsity, expected):
     run["config"]["group_sparsity"] = {"embed": 0.9}
     if opt == "scape":
         assert formula_bytes(run, world=4) is None  # a split has no single K
+        run["config"].update(group_sparsity=None, optimizer_kwargs={"grad_comm_dtype": "int8"})
+        assert formula_bytes(run, world=4) is None  # nor the 8-bit wire a fixed entry size
 
 
 def test_resolve_device_without_a_gpu(monkeypatch):

@@ -61,8 +61,9 @@ def test_formula_levels():
     two, flat = formula("two_level", n_pad), formula("flat", n_pad)
     assert two is not None and flat is not None
     offsets = k // 4 * 12 // 8  # one rank's packed offsets (of the 4 ranks; 12 bits each)
-    # across nodes a rank sends its slice's share: 1/G of a flat rank's, up to the scalar
-    assert (two["inter"] - 8) * PER_NODE == flat["flat"] - 8 == k * 8 + 4 * offsets
+    # across nodes a rank sends its slice's share: 1/G of a flat rank's, up to the scalars
+    # (flat: the 4 ranks' counts and sums of squares ride; two levels: the all-reduce)
+    assert (two["inter"] - 8) * PER_NODE == flat["flat"] - 4 * 8 == k * 8 + 4 * offsets
     assert two["intra"] == n_pad * 4 + k * 4 + 4 * offsets + 8  # dense reduce-scatter inside
 
 

@@ -29,7 +29,7 @@ def _torchrun(world: int, log: Path, *args: str) -> None:
 def _formula(world: int, block: int = 256, sparsity: float = 0.99) -> int:
     n_pad = -(-NUMEL // (world * block)) * world * block
     k = (n_pad // block) * max(1, round((1 - sparsity) * block))
-    return k * (4 + 4 + 1) + 8  # offsets of 8 bits at block 256
+    return k * (4 + 4 + 1) + world * (4 + 4)  # offsets of 8 bits at block 256; the scalars
 
 
 def test_dcp_save_on_two_ranks_resume_on_three(tmp_path):
