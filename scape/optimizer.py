@@ -415,8 +415,8 @@ class SCAPE(ShardedOptimizer):
             send = wire.pack([(codes, scales)])
             self._take_bufs[i] = send
             with phase("scape/reduce_scatter", b.device):
-                (g,), _, work = wire.exchange(self.comm, send)
-            return g, work
+                (g,), _, work8 = wire.exchange(self.comm, send)
+            return g, work8
         comm, c, n_g = self._take(i)
         self._take_bufs[i] = c
         g = torch.empty(n_g, dtype=self.grad_comm_dtype, device=b.device)
@@ -437,9 +437,9 @@ class SCAPE(ShardedOptimizer):
             send = wire.pack([(t[0], t[1]) for t in taken], count)
             self._take_bufs = [send] * n
             with phase("scape/reduce_scatter", device):
-                gs, flag, work = wire.exchange(self.comm, send)
+                gs, flag, work8 = wire.exchange(self.comm, send)
             self._ride_flag = [flag]
-            return [(g, work) for g in gs]
+            return [(g, work8) for g in gs]
         cs = [self._take(i) for i in range(n)]
         sizes = [n_g for _, _, n_g in cs]
         send = torch.empty(world, sum(sizes) + 1, dtype=self.grad_comm_dtype, device=device)
@@ -546,6 +546,7 @@ class SCAPE(ShardedOptimizer):
                        view: torch.Tensor = view) -> None:
                 apply(view)
 
+            assert mask is not None  # (the mask the step used)
             self._pending.append(_Pending(self.buckets[i], work, finish, (send, mask)))
         norms = views[-1]
         self._pending[-1].always = lambda: ride[1].append(as_dtype(norms, torch.float32))

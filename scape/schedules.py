@@ -107,7 +107,8 @@ def run_bytes(opt: SCAPE, total_steps: int, *, start: float | None = None,
     (no clipping, every group sparse, plain parameters) counts the count and the sums of
     squares there instead of the 8-byte all-reduce. Dense AdamS sends ``N (b_g + b_p) + 8``
     a step: the same wire dtypes (fp32 gradients for the 8-bit wire, :mod:`scape.wire`, whose
-    sparse steps count its segments, as for 8-bit parameter updates), no padding. Exact for every rank's payload, as
+    sparse steps count its segments, as for 8-bit parameter updates), no padding. Exact for
+    every rank's payload, as
     ``opt.last_step.bytes`` counts it (ring factors aside); a group whose sparsity changes
     otherwise is not foreseen. A group whose embedding matrices are set apart
     (:mod:`scape.embeddings`) counts each bucket's own budget. Raises ``ValueError`` for a
@@ -232,10 +233,9 @@ def start_ramp_steps(opt: SCAPE, total_steps: int | None) -> int:
     ``total_steps=None``. The same on every rank (it reads the layout only). A two-level
     optimizer is sized by the same formula over its buckets. The bytes are counted on the
     reference wire, fp32 gradients, the model's values, int16 offsets and the scalars in an
-    all-reduce of their own, whatever the wire is
-    (``grad_comm_dtype``, ``param_comm_dtype``, the packed offsets of :mod:`scape.wire`), so the start does not
-    depend on the wire: a smaller wire lowers the whole run's bytes instead of buying a
-    longer ramp."""
+    all-reduce of their own, whatever the wire is (``grad_comm_dtype``, ``param_comm_dtype``,
+    the packed offsets of :mod:`scape.wire`), so the start does not depend on the wire: a
+    smaller wire lowers the whole run's bytes instead of buying a longer ramp."""
     if not any(g["sparsity"] > 0 for g in opt.param_groups):
         return 0  # nothing to ramp
     if total_steps is None:

@@ -91,7 +91,7 @@ def test_sparse_step_rides_in_two_collectives(world, wire):
         assert ride["buckets"] == 3
         sparse = [i for i in ride["infos"] if not i[0]]
         assert len(sparse) >= 5
-        for dense, skipped, calls, norm, want, _ in ride["infos"]:
+        for dense, _, calls, norm, want, _ in ride["infos"]:
             if not dense:
                 assert calls == 2, ride["infos"]
                 assert norm == pytest.approx(want, rel=1e-5)  # written when the values landed
