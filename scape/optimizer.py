@@ -61,7 +61,7 @@ from scape.rules import ShardState, block_budget
 from scape.schedules import RAMP_START, sparsity_ramp, start_ramp_steps
 from scape.sharded import ShardedOptimizer, _Pending, positional_error
 from scape.two_level import NodeLevel
-from scape.wire import ParamWire8, Wire8, as_dtype, gather_parts, share_offsets
+from scape.wire import ParamWire8, Wire8, as_dtype, gather_parts
 
 PARAM_WIRES = (None, torch.int8)
 """The ``param_comm_dtype`` values :class:`SCAPE` takes (:mod:`scape.wire`)."""
@@ -438,7 +438,7 @@ class SCAPE(ShardedOptimizer):
             self._take_bufs = [send] * n
             with phase("scape/reduce_scatter", device):
                 gs, flag, work8 = wire.exchange(self.comm, send)
-            self._ride_flag = [flag]
+            self._ride_flag = flag
             return [(g, work8) for g in gs]
         cs = [self._take(i) for i in range(n)]
         sizes = [n_g for _, _, n_g in cs]
@@ -452,7 +452,7 @@ class SCAPE(ShardedOptimizer):
         got = torch.empty(at + 1, dtype=self.grad_comm_dtype, device=device)
         with phase("scape/reduce_scatter", device):
             work = self.comm.reduce_scatter(got, send.view(-1), op="avg")
-        self._ride_flag = [got[at:]]
+        self._ride_flag = got[at:]
         out, at = [], 0
         for n_g in sizes:
             out.append((got[at:at + n_g], work))
@@ -564,11 +564,10 @@ class SCAPE(ShardedOptimizer):
             if mask_state is None or not dense_flags[i]:
                 continue
             idx = self._next_mask(i)
-            full = torch.empty(mask_state.n_blocks, mask_state.k, dtype=torch.int16,
-                               device=b.device)
             with phase("scape/mask_sync", b.device):  # log2(B) bits per offset on the wire
-                mask_state.work = share_offsets(self.comm, idx, full, self.block_size)
-            mask_state.next, mask_state.local = full, idx
+                work, views, _ = gather_parts(self.comm,
+                                              [pack_offsets(idx.view(-1), self.block_size)])
+            self._share_next(i, idx, work, views[0])
 
     def _next_mask(self, i: int) -> torch.Tensor:
         """Bucket ``i``'s next mask rows of this rank's shard (``[n_local, k]``, int16), at

@@ -160,8 +160,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._ride_count: torch.Tensor | None = None
         """This step's non-finite count of the local buffers where the scalars ride (the
         gradient collective carries it), else None."""
-        self._ride_flag: list[torch.Tensor | None] = [None] * len(self.buckets)
-        """Per bucket, the count every rank sent as its owner received it (> 0: skip)."""
+        self._ride_flag: torch.Tensor | None = None
+        """The counts every rank sent, as this owner received them (> 0: skip)."""
         self._ride_sumsq: list[torch.Tensor | None] = [None] * len(self.buckets)
         """Per bucket, this rank's sum of squares of its synchronized gradient (it rides with
         the parameter values)."""
@@ -523,8 +523,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if fault is not None:
             fault.fire(self._step, "all_reduce", self)
         if ride:  # every owner received every rank's count; the norm lands with the values
-            flags = [f for f in self._ride_flag if f is not None]
-            skipped = bool(torch.cat(flags).gt(0).any())
+            assert self._ride_flag is not None
+            skipped = bool(self._ride_flag.gt(0).any())
             grad_norm = torch.full((), float("nan"), device=device)
             if not skipped:
                 self._ride_norm = (grad_norm, [])
@@ -535,7 +535,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             grad_norm = local[0].sqrt() if not clip else clip_norm(local, self.level.senders)
             skipped = bool(local[1] > 0)
         self._ride_count = None
-        self._ride_flag = [None] * len(self.buckets)
+        self._ride_flag = None
         for b, dense in zip(self.buckets, dense_flags):
             if dense or skipped:
                 b.grad_flat.zero_()

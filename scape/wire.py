@@ -47,17 +47,15 @@ from scape.comm.base import FinishedWork
 from scape.kernels import (
     absmax_scales,
     gather,
-    pack_offsets,
     pack_values,
     packed_nbytes,
     scatter_,
-    unpack_offsets,
     unpack_values,
 )
 from scape.kernels.pack import offset_bits
 
 __all__ = ["ParamWire8", "Wire8", "fused_segment_bytes", "gather_parts", "offsets_bytes",
-           "segment_bytes", "share_offsets"]
+           "segment_bytes"]
 
 
 def as_dtype(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -180,16 +178,6 @@ class ParamWire8:
 def offsets_bytes(n: int, block_size: int) -> int:
     """Bytes of one rank's ``n`` packed mask offsets."""
     return packed_nbytes(n, offset_bits(block_size))
-
-
-def share_offsets(comm: Communicator, local: torch.Tensor, full: torch.Tensor,
-                  block_size: int) -> FinishedWork:
-    """Start the all-gather of every rank's mask rows ``local`` (int16 ``[n, k]``) into
-    ``full`` (``[W n, k]``), packed; the work's ``wait()`` also unpacks."""
-    packed = pack_offsets(local.view(-1), block_size)
-    recv = torch.empty(comm.world_size * packed.numel(), dtype=torch.uint8, device=local.device)
-    return FinishedWork(comm.all_gather(recv, packed), lambda: unpack_offsets(
-        recv, local.numel(), block_size, out=full.view(-1)))
 
 
 def gather_parts(comm: Communicator, parts: list[torch.Tensor]
