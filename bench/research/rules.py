@@ -29,6 +29,10 @@ their catch-up by half the steps of their last wait (:func:`lead_update`). ``ear
 The ``early_*`` rules keep one bucket per param group (``embeddings_apart=False``, as when they
 were measured): ``early`` with ``attach(model)`` sets the embedding matrices apart, and is ``early``
 bit for bit only without (:mod:`scape.embeddings`), as ``_trust28_gain_b98w`` is.
+``agree_trust48`` and ``agree_trust18``: ``agree`` (embeddings apart, its EMAs) with the bound
+1/4 and 1 above sparsity 0.974 (1/8 up to it); ``agree_unbounded``: with none;
+``agree_together``: ``agree`` whose ``attach`` leaves the embedding matrices in their group's
+bucket (:func:`agree_above_rule`).
 """
 
 from __future__ import annotations
@@ -185,6 +189,20 @@ class BetaAfterLrWarmup:
     def rule(self) -> Rule:
         return dataclasses.replace(gain_selected(self.update, self.score, select=self.select),
                                    observe=self.observe)
+
+
+def agree_above_rule(c: float | None) -> Rule:
+    """``agree`` with the catch-up's bound ``c`` of the block's RMS above sparsity 0.974 in
+    place of :data:`scape.rules.TRUST`'s 1/2 (1/8 up to it, as ``agree``); ``None``: no bound
+    at either (docs/research.md, "Where the third workload's lag at 0.99 is")."""
+
+    def update(shard: ShardState, g: torch.Tensor, idx: torch.Tensor, block_size: int,
+               hp: dict, model_out: torch.Tensor) -> None:
+        wide = rules.reads_wait(idx.shape[-1], block_size)
+        trust = None if c is None else (rules.TRUST[0] if wide else c)
+        catchup_agree(shard, g, idx, block_size, hp, model_out, trust=trust)
+
+    return dataclasses.replace(RULES["agree"], update=update)
 
 
 TRUST_DECAY_CAP = 1.0
@@ -344,6 +362,12 @@ RESEARCH_RULES: dict[str, Rule] = {
     "auto_three_passes": dataclasses.replace(AUTO, observe_select=None),
     "catchup_agree_trust4_gainr": gain_selected(functools.partial(catchup_agree,
                                                                   trust=0.25)),
+    # agree with another bound above sparsity 0.974 (1/8 up to it, as agree), or none at all,
+    # and agree without attach's embedding share: the third workload's ablation
+    "agree_trust48": agree_above_rule(0.25),
+    "agree_trust18": agree_above_rule(1.0),
+    "agree_unbounded": agree_above_rule(None),
+    "agree_together": dataclasses.replace(RULES["agree"], embeddings_apart=False),
 }
 """Every research rule by name (registered on import)."""
 
