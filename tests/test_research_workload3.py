@@ -94,3 +94,11 @@ def test_report_ratios_and_reach_follow_the_curves(runs, tmp_path):
     assert w3.load(path) == runs
     with pytest.raises(ValueError, match="no dense"):
         w3.report([r for r in runs if r["candidate"] != w3.DENSE], CAND)
+
+
+def test_plot_writes_a_png(runs, tmp_path):
+    pytest.importorskip("matplotlib")
+    rep = w3.report(runs, CAND)
+    path = tmp_path / "curves.png"
+    w3.plot(runs, rep, CAND, str(path))
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

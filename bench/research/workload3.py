@@ -146,16 +146,25 @@ def plot(runs: list[dict[str, Any]], rep: dict[str, Any], candidate: str, path: 
                     label=f"{label}, lr {b['lr']:g}, seed {seed}: {ys[-1]:.3f}")
     ref = curve_of(runs, DENSE, 0.0, steps, rep["dense"]["lr"], 0)
     if ref is not None:
-        for at in (600, steps):
+        for at in (rep["early"], steps):
             ax.axhline(loss_at(ref, at), color="grey", linestyle=":", linewidth=0.8)
-            ax.annotate(f"dense AdamS at {at} (seed 0)", (steps, loss_at(ref, at)),
-                        ha="right", va="bottom", fontsize=7, color="grey")
+            ax.annotate(f"dense AdamS's loss at step {at} (seed 0)", (10, loss_at(ref, at)),
+                        ha="left", va="bottom", fontsize=7, color="grey")
+        for sp, b in rep["sparse"].items():  # where seed 0 reaches dense's loss at `early`
+            reached = b["reach"].get(0, {}).get(str(rep["early"]))
+            if reached is not None:
+                y = loss_at(ref, rep["early"])
+                ax.plot([reached], [y], marker="o", color=colours.get(sp, "tab:green"))
+                ax.annotate(f"{reached}", (reached, y), textcoords="offset points",
+                            xytext=(0, 6), ha="center", fontsize=7,
+                            color=colours.get(sp, "tab:green"))
     ax.set_xlim(0, steps)
     ax.set_ylim(2.2, 5.0)
     ax.set_xlabel("step")
     ax.set_ylabel("validation loss (nats/token)")
-    ax.set_title(f"third workload, {steps} steps, each at its best lr (seed 0's); "
-                 "solid seed 0, dashed seed 1", fontsize=9)
+    ax.set_title(f"third workload, {steps} steps, each at its best lr (seed 0's)\nsolid seed 0, "
+                 f"dashed seed 1; dots: seed 0 reaches dense's loss at step {rep['early']}",
+                 fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()
