@@ -84,3 +84,37 @@ def test_the_deadline_kills_every_rank(tmp_path):
 def test_bad_specs_raise(kw, match):
     with pytest.raises(ValueError, match=match):
         Ranks(**kw)
+
+
+def _killed_mid_message(rank, world):
+    progress("first")  # the driver's on_progress then sleeps, reading nothing meanwhile
+    import signal
+    import threading
+    threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGKILL)).start()
+    progress(b"x" * (16 << 20))  # more than a pipe holds: the rank dies in the middle of it
+    time.sleep(60)
+
+
+def test_a_rank_killed_in_the_middle_of_a_message_does_not_hang_the_driver():
+    """A message cut off by the sender's death is an end of file for the driver, not a read
+    that waits for bytes that will never come (as a queue's pipe, whose writer the driver
+    itself holds, was): ``launch`` returns, the rank reported as exited without a word."""
+    import threading
+
+    seen, done = [], []
+
+    def slow(rank, obj):
+        seen.append(obj if isinstance(obj, str) else len(obj))
+        time.sleep(1.5)
+
+    def drive():
+        done.append(launch(_killed_mid_message, Ranks(world=1, timeout_s=120, threads=1,
+                                                       on_progress=slow)))
+
+    t = threading.Thread(target=drive, daemon=True)
+    t.start()
+    t.join(timeout=60)  # the deadline of this test: a hang fails it
+    assert done, "launch did not return after its rank was killed mid-message"
+    (out,) = done[0]
+    assert not out.ok and out.exitcode == -9 and "without reporting" in out.error
+    assert seen == ["first"]

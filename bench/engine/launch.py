@@ -7,8 +7,11 @@ an outer deadline, and every process killed on the way out, whatever happens.
 Each rank enters its network namespace first (``Ranks.netns``: the emulated nodes of
 :mod:`bench.engine.netns_nodes`), asks the kernel to end it with the driver (Linux), sets its torch
 threads, joins the process group (gloo, or NCCL with rank r on GPU r), runs ``fn(rank,
-world, *args)`` and reports what it returned, or its traceback, through a queue. A rank may
-send progress to the driver with :func:`progress` (``Ranks.on_progress`` receives it).
+world, *args)`` and reports what it returned, or its traceback, through a pipe of its own
+whose only writer it is (the driver closes its copy once the rank started): a rank killed in
+the middle of a message leaves the driver an end of file, not a read that waits forever, as a
+queue's shared pipe would. A rank may send progress to the driver with :func:`progress`
+(``Ranks.on_progress`` receives it).
 
 The driver raises ``TimeoutError`` after killing every rank when ``timeout_s`` passes;
 interrupted (Ctrl-C, or SIGTERM on the main thread) it kills every rank before the exception
@@ -27,7 +30,6 @@ import dataclasses
 import datetime
 import multiprocessing as mp
 import os
-import queue
 import signal
 import sys
 import tempfile
@@ -35,6 +37,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator
+from multiprocessing.connection import Connection, wait
 from typing import Any
 
 __all__ = ["RankOutcome", "Ranks", "end_with_parent", "launch", "progress", "sigterm_unwinds"]
@@ -94,14 +97,14 @@ class RankOutcome:
     """The process's exit code (None while it ran on past the driver: killed)."""
 
 
-_QUEUE: Any = None
+_PIPE: Connection | None = None
 _RANK = -1
 
 
 def progress(obj: Any) -> None:
     """From inside a launched rank: send ``obj`` to the driver's ``Ranks.on_progress``."""
-    if _QUEUE is not None:
-        _QUEUE.put(("progress", _RANK, obj))
+    if _PIPE is not None:
+        _PIPE.send(("progress", _RANK, obj))
 
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
@@ -121,9 +124,9 @@ def end_with_parent(parent: int) -> None:
 
 
 def _rank_entry(rank: int, spec: dict[str, Any], init_file: str, parent: int,
-                fn: Callable[..., Any], args: tuple, q: Any) -> None:
-    global _QUEUE, _RANK
-    _QUEUE, _RANK = q, rank
+                fn: Callable[..., Any], args: tuple, conn: Connection) -> None:
+    global _PIPE, _RANK
+    _PIPE, _RANK = conn, rank
     end_with_parent(parent)
     os.environ.update(spec["env"])
     world = spec["world"]
@@ -148,11 +151,9 @@ def _rank_entry(rank: int, spec: dict[str, Any], init_file: str, parent: int,
         # rank whose fn needs no collective could then exit and close that connection
         dist.barrier()
         result = fn(rank, world, *args)
-        q.put(("result", rank, result))
-        q.close()
-        q.join_thread()  # the result is in the pipe before any teardown below
+        conn.send(("result", rank, result))  # in the pipe before any teardown below
     except BaseException as e:  # noqa: BLE001 - report everything to the driver
-        q.put(("error", rank, (traceback.format_exc(), type(e).__name__)))
+        conn.send(("error", rank, (traceback.format_exc(), type(e).__name__)))
         raise SystemExit(1) from None
     finally:
         if dist.is_initialized():
@@ -189,32 +190,35 @@ def launch(fn: Callable[..., Any], spec: Ranks, *args: Any) -> list[RankOutcome]
     shared memory can go with the exiting rank)."""
     world = spec.world
     ctx = mp.get_context("spawn")
-    q = ctx.Queue()
+    pipes = [ctx.Pipe(duplex=False) for _ in range(world)]  # (driver's end, rank's end)
     raw = {k: v for k, v in dataclasses.asdict(spec).items() if k != "on_progress"}
     outcomes: dict[int, RankOutcome] = {}
     with tempfile.TemporaryDirectory(prefix="scape-ranks-") as tmp, sigterm_unwinds():
         init_file = os.path.join(tmp, "store")
         procs = [ctx.Process(target=_rank_entry, args=(r, raw, init_file, os.getpid(), fn,
-                                                        args, q), daemon=True)
+                                                        args, pipes[r][1]), daemon=True)
                  for r in range(world)]
-        for p in procs:
+        readers = [reader for reader, _ in pipes]
+        for p, (_, writer) in zip(procs, pipes):
             p.start()
+            writer.close()  # the rank holds the only writer: its death is an end of file
         deadline = time.monotonic() + spec.timeout_s
         failed = False
         finished = False  # the loop ended by itself (not a deadline, Ctrl-C or SIGTERM)
         try:
             while len(outcomes) < world and not (failed and spec.fail_fast):
-                try:
-                    failed |= _record(q.get(timeout=0.2), outcomes, spec)
+                got = _receive(readers, 0.2)
+                for msg in got:
+                    failed |= _record(msg, outcomes, spec)
+                if got:
                     continue
-                except queue.Empty:
-                    pass
                 if all(not p.is_alive() for p in procs):
-                    while True:  # what the exited ranks managed to report
-                        try:
-                            failed |= _record(q.get(timeout=0.5), outcomes, spec)
-                        except queue.Empty:
+                    while readers:  # what the exited ranks managed to report
+                        got = _receive(readers, 0.5)
+                        if not got:
                             break
+                        for msg in got:
+                            failed |= _record(msg, outcomes, spec)
                     break
                 if time.monotonic() > deadline:
                     raise TimeoutError(
@@ -231,11 +235,28 @@ def launch(fn: Callable[..., Any], spec: Ranks, *args: Any) -> list[RankOutcome]
                 if p.is_alive():
                     p.kill()
                     p.join()
+            for reader, _ in pipes:
+                reader.close()
     out = []
     for r, p in enumerate(procs):
         o = outcomes.get(r, RankOutcome(r, False, error="rank exited without reporting"))
         o.exitcode = p.exitcode
         out.append(o)
+    return out
+
+
+def _receive(readers: list[Connection], timeout: float) -> list[tuple[str, int, Any]]:
+    """The messages ready on ``readers`` within ``timeout`` s (empty if none); a reader at its
+    end of file (its rank exited or was killed, even in the middle of a message) is closed and
+    dropped from ``readers``."""
+    out = []
+    for reader in wait(readers, timeout=timeout):
+        assert isinstance(reader, Connection)
+        try:
+            out.append(reader.recv())
+        except (EOFError, OSError):
+            readers.remove(reader)
+            reader.close()
     return out
 
 
