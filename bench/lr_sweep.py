@@ -197,10 +197,16 @@ def execute(todo: list[dict[str, Any]], jobs: int,
 
     ex = concurrent.futures.ThreadPoolExecutor(jobs, thread_name_prefix="lr_sweep")
     futures = {ex.submit(guarded, i, p): p for i, p in enumerate(todo)}
+    pending = set(futures)
     try:
         with sigterm_unwinds():
-            for f in concurrent.futures.as_completed(futures):
-                yield futures[f], f.result()
+            while pending:
+                # a timed wait: the main thread wakes to run a signal's handler even when the
+                # kernel delivered the signal to another thread (an untimed wait sleeps on)
+                done, pending = concurrent.futures.wait(
+                    pending, timeout=0.5, return_when=concurrent.futures.FIRST_COMPLETED)
+                for f in done:
+                    yield futures[f], f.result()
     except BaseException:
         stop.set()
         ex.shutdown(wait=False, cancel_futures=True)
