@@ -50,11 +50,23 @@ def test_jobs_below_one_is_refused(tmp_path):
     assert proc.returncode == 2 and "--jobs must be >= 1" in proc.stderr
 
 
+def _tgkill(pid: int, sig: int) -> None:
+    """``sig`` to a thread of ``pid`` other than its main thread (the kernel may deliver a
+    process's signal to any of its threads)."""
+    import ctypes
+    tids = [int(t) for t in os.listdir(f"/proc/{pid}/task") if int(t) != pid]
+    assert tids, "the sweep has no thread but its main one"
+    libc = ctypes.CDLL(None, use_errno=True)
+    assert libc.syscall(234, pid, tids[0], sig) == 0  # SYS_tgkill on x86-64
+
+
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_stopping_the_sweep_stops_every_run_it_started(tmp_path, sig):
-    """Two long runs at once; a signal once both have their ranks: the sweep exits within
-    seconds and no rank of either run is left training."""
+@pytest.mark.parametrize("sig, to_thread", [(signal.SIGTERM, False), (signal.SIGINT, False),
+                                            (signal.SIGINT, True)])
+def test_stopping_the_sweep_stops_every_run_it_started(tmp_path, sig, to_thread):
+    """Two long runs at once; a signal once both have their ranks (``to_thread``: delivered
+    to another thread than the main one): the sweep exits within seconds and no rank of
+    either run is left training."""
     log = tmp_path / "log"  # a file, not a pipe: orphaned ranks would hold a pipe open
     with open(log, "wb") as f:
         proc = subprocess.Popen([sys.executable, "-m", "bench.lr_sweep", *PLAN, "--steps",
@@ -69,7 +81,10 @@ def test_stopping_the_sweep_stops_every_run_it_started(tmp_path, sig):
         assert len(ranks) >= 4, f"the ranks did not start: {ranks}"
         time.sleep(3.0)  # training
         assert proc.poll() is None
-        proc.send_signal(sig)
+        if to_thread:
+            _tgkill(proc.pid, sig)
+        else:
+            proc.send_signal(sig)
         code = proc.wait(timeout=60)
         assert code != 0, log.read_text()[-2000:]
         gone = time.monotonic() + 10
