@@ -213,10 +213,7 @@ def launch(fn: Callable[..., Any], spec: Ranks, *args: Any) -> list[RankOutcome]
                 if got:
                     continue
                 if all(not p.is_alive() for p in procs):
-                    while readers:  # what the exited ranks managed to report
-                        got = _receive(readers, 0.5)
-                        if not got:
-                            break
+                    while got := _receive(readers, 0.5):  # what the exited ranks reported
                         for msg in got:
                             failed |= _record(msg, outcomes, spec)
                     break
@@ -249,7 +246,7 @@ def _receive(readers: list[Connection], timeout: float) -> list[tuple[str, int, 
     """The messages ready on ``readers`` within ``timeout`` s (empty if none); a reader at its
     end of file (its rank exited or was killed, even in the middle of a message) is closed and
     dropped from ``readers``."""
-    out = []
+    out: list[tuple[str, int, Any]] = []
     for reader in wait(readers, timeout=timeout):
         assert isinstance(reader, Connection)
         try:

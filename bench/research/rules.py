@@ -194,7 +194,7 @@ class BetaAfterLrWarmup:
 def agree_above_rule(c: float | None) -> Rule:
     """``agree`` with the catch-up's bound ``c`` of the block's RMS above sparsity 0.974 in
     place of :data:`scape.rules.TRUST`'s 1/2 (1/8 up to it, as ``agree``); ``None``: no bound
-    at either (docs/research.md, "Where the third workload's lag at 0.99 is")."""
+    at either (docs/research.md, "The default judged on the third workload")."""
 
     def update(shard: ShardState, g: torch.Tensor, idx: torch.Tensor, block_size: int,
                hp: dict, model_out: torch.Tensor) -> None:
