@@ -19,6 +19,8 @@ rate is measured before the leg and stored.
 ``adamw_ddp``            torch.optim.AdamW + DistributedDataParallel (the standard)
 ``scape-0.9``            SCAPE at 90% sparsity, the library's defaults
 ``scape-0.99``           SCAPE at 99% sparsity, the library's defaults (the headline row)
+``scape-0.99-wire8``     the same with the 8-bit wire (``grad_comm_dtype`` and
+                         ``param_comm_dtype`` ``torch.int8``: codes with a scale per mask row)
 ``topk-0.99``            raw-gradient top-k with error feedback (:mod:`bench.engine.topk_baseline`)
 ``compute_only``         SCAPE-0.99's per-rank work with no collectives (speed leg only)
 =======================  ====================================================================
@@ -74,8 +76,8 @@ from bench.engine.runner import RunConfig
 
 __all__ = ["SCHEMA", "make_configs", "main", "run_one"]
 
-DEFAULT_OPTIMIZERS = ("adams", "adamw_ddp", "scape-0.9", "scape-0.99", "topk-0.99",
-                      "compute_only")
+DEFAULT_OPTIMIZERS = ("adams", "adamw_ddp", "scape-0.9", "scape-0.99", "scape-0.99-wire8",
+                      "topk-0.99", "compute_only")
 DEFAULT_BANDWIDTH = "100mbit"
 TUNED_LR = 3e-4
 """Dense sharded AdamS's best peak learning rate on the quality leg's workload, of 1e-4, 3e-4

@@ -11,7 +11,7 @@ from typing import Any
 from bench.engine.local_sgd_opts import steady_bytes
 from bench.engine.report import fmt, markdown_table
 from scape.rules import block_budget
-from scape.wire import offsets_bytes
+from scape.wire import fused_segment_bytes, offsets_bytes, segment_bytes
 
 SCHEMA = "scape.compare/2"
 HEADLINE = "scape-0.99"
@@ -44,16 +44,20 @@ def mask_coords(n_pad: int, sparsity: float, block: int = 4096, explore: float =
 
 
 def formula_bytes(run: dict[str, Any], world: int) -> int | None:
-    """Payload bytes per steady step per rank that DESIGN §1 predicts for ``run`` (fp32 on
-    the wire, the ``comm.stats`` convention), from its layout: ``N`` parameters, ``N_pad``
-    padded coordinates (``run["n_pad"]``), ``K = (N_pad / B) * k_b`` mask coordinates.
+    """Payload bytes per steady step per rank that DESIGN §1 predicts for ``run`` (an fp32
+    model, the ``comm.stats`` convention), from its layout: ``N`` parameters, ``N_pad``
+    padded coordinates (``run["n_pad"]``), ``K`` mask coordinates (``W`` times each rank's
+    mask rows, ``run["mask_rows"]``, or ``(N_pad / B) * k_b``).
 
     DDP all-reduce ``2 * 4 * N``; dense sharded AdamS and DistributedAdamW ``N_pad * (4 + 4)
     + 8``; a SCAPE sparse step ``K * (4 + 4)``, each rank's offsets packed to ``log2(B)`` bits
     (:func:`scape.wire.offsets_bytes`) and each rank's count and sum of squares (``W * 8``,
-    riding in the step's two collectives); top-k ``W * K * (2 + 4)``. None where the row has
-    no single per-step formula (local-step rows, the compute-only floor, a per-group split,
-    the 8-bit wires, clipping)."""
+    riding in the step's two collectives); with the 8-bit wires (``grad_comm_dtype`` or
+    ``param_comm_dtype`` ``int8``) that leg's values are every owner's segment of codes and
+    row scales instead (:func:`scape.wire.fused_segment_bytes`, the gradients' with the
+    count ahead); top-k ``W * K * (2 + 4)``. None where the row has no single per-step
+    formula (local-step rows, the compute-only floor, a per-group split, a 16-bit wire,
+    clipping)."""
     cfg, n_pad = run["config"], run.get("n_pad")
     opt = cfg["optimizer"]
     if opt == "adamw_ddp":
@@ -63,8 +67,10 @@ def formula_bytes(run: dict[str, Any], world: int) -> int | None:
     if opt in ("adams", "dist_adamw"):
         return 8 * n_pad + 8
     kw = cfg.get("optimizer_kwargs") or {}
-    if opt not in ("scape", "topk") or cfg.get("group_sparsity") or any(
-            k in kw for k in ("grad_comm_dtype", "param_comm_dtype", "max_grad_norm")):
+    wire8 = {key: _is_int8(kw[key]) for key in ("grad_comm_dtype", "param_comm_dtype")
+             if kw.get(key) is not None}
+    if opt not in ("scape", "topk") or cfg.get("group_sparsity") or "max_grad_norm" in kw \
+            or not all(wire8.values()):
         return None
     settings = run.get("optimizer_settings", {})
     block = int(settings.get("block_size", 4096))
@@ -73,10 +79,20 @@ def formula_bytes(run: dict[str, Any], world: int) -> int | None:
         k_b = block_budget(cfg["sparsity"], block, explore)[0]
         # each bucket's rows per rank and k (the embeddings' bucket has its own k; a record
         # without them: one bucket), every rank's offsets packed apart to log2(B) bits
-        rows = run.get("mask_rows") or [[n_pad // block // world, k_b]]
-        return (n_pad // block) * k_b * ENTRY_BYTES + world * 8 \
+        rows = [(int(n), int(k)) for n, k in
+                run.get("mask_rows") or [[n_pad // block // world, k_b]]]
+        coords = world * sum(n * k for n, k in rows)
+        grads = (world * fused_segment_bytes(rows, 1) if "grad_comm_dtype" in wire8
+                 else (coords + world) * 4)
+        values = (world * sum(segment_bytes(n, k) for n, k in rows)
+                  if "param_comm_dtype" in wire8 else coords * 4)
+        return grads + values + world * 4 \
             + sum(world * offsets_bytes(n * k, block) for n, k in rows)
     return world * mask_coords(n_pad, cfg["sparsity"], block, explore) * 6
+
+
+def _is_int8(dtype: Any) -> bool:
+    return str(dtype).removeprefix("torch.") == "int8"
 
 
 def quality_table(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -275,8 +275,30 @@ def test_formula_bytes(opt, sparsity, expected):
     run["config"]["group_sparsity"] = {"embed": 0.9}
     if opt == "scape":
         assert formula_bytes(run, world=4) is None  # a split has no single K
-        run["config"].update(group_sparsity=None, optimizer_kwargs={"grad_comm_dtype": "int8"})
-        assert formula_bytes(run, world=4) is None  # nor the 8-bit wire a fixed entry size
+        run["config"].update(group_sparsity=None,
+                             optimizer_kwargs={"grad_comm_dtype": "bfloat16"})
+        assert formula_bytes(run, world=4) is None  # nor a 16-bit wire (not in the formula)
+
+
+@pytest.mark.parametrize("grad8, param8, sparsity", [(True, False, 0.99), (False, True, 0.9),
+                                                     (True, True, 0.99)])
+def test_formula_bytes_of_the_8bit_wires_is_what_a_step_sends(grad8, param8, sparsity):
+    """The report's formula against ``opt.last_step.bytes`` of a real sparse step (W=2
+    gloo ranks, two buckets with ``attach``): they agree to the byte."""
+    from bench.engine.runner import RunConfig, run as launch
+
+    kw = {"warmup_steps": 1}
+    kw |= {"grad_comm_dtype": "int8"} if grad8 else {}
+    kw |= {"param_comm_dtype": "int8"} if param8 else {}
+    cfg = RunConfig(optimizer="scape", sparsity=sparsity, model="tiny", world=2, steps=4,
+                    batch=2, seq=32, lr=1e-3, optimizer_kwargs=kw, eval_every=4,
+                    eval_seqs=2, log_every=0, timeout_s=240.0, imports=[])
+    run = launch(cfg)
+    sent = sum(run["bytes_last_step"].values())
+    assert run["dense_steps"] == 1 and len(run["mask_rows"]) >= 2
+    assert formula_bytes(run, world=2) == sent
+    fp32 = formula_bytes({**run, "config": {**run["config"], "optimizer_kwargs": {}}}, world=2)
+    assert fp32 > sent  # every 8-bit leg sends fewer bytes
 
 
 def test_resolve_device_without_a_gpu(monkeypatch):

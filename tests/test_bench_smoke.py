@@ -58,7 +58,7 @@ RUN_KEYS = {"schema", "name", "config", "optimizer_settings", "params", "final_v
             "param_sha256", "param_sha256_ranks_agree", "n_pad", "mask_rows", "device",
             "max_rss_mb_by_rank",
             "link_tx_per_step_by_node"}
-QUALITY_ROWS = ["adams", "adamw_ddp", "scape-0.9", "scape-0.99", "topk-0.99"]
+QUALITY_ROWS = ["adams", "adamw_ddp", "scape-0.9", "scape-0.99", "scape-0.99-wire8", "topk-0.99"]
 
 
 @pytest.mark.timeout(300)
