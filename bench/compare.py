@@ -41,7 +41,7 @@ ratio, bytes ratio and speed-up in one line. Outputs in ``--out`` (default ``out
 (``--device auto``, the default, or ``cuda``) both legs run on the GPUs with NCCL and the
 Triton kernels; without, they run on the CPU and say so.
 
-    python -m bench.compare                      # both legs (about 10 minutes on 2 cores)
+    python -m bench.compare                      # both legs (about 12 minutes on 2 cores)
     python -m bench.compare --quick              # tiny model, W=2, both legs in under 2 min
     python -m bench.compare --leg speed --bandwidth 1gbit
     python -m bench.compare --optimizers adams scape-0.99 compute_only --steps 1000
