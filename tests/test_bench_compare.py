@@ -285,7 +285,7 @@ def test_formula_bytes(opt, sparsity, expected):
 def test_formula_bytes_of_the_8bit_wires_is_what_a_step_sends(grad8, param8, sparsity):
     """The report's formula against ``opt.last_step.bytes`` of a real sparse step (W=2
     gloo ranks, two buckets with ``attach``): they agree to the byte."""
-    from bench.engine.runner import RunConfig, run as launch
+    from bench.engine.runner import RunConfig, run
 
     kw = {"warmup_steps": 1}
     kw |= {"grad_comm_dtype": "int8"} if grad8 else {}
@@ -293,11 +293,12 @@ def test_formula_bytes_of_the_8bit_wires_is_what_a_step_sends(grad8, param8, spa
     cfg = RunConfig(optimizer="scape", sparsity=sparsity, model="tiny", world=2, steps=4,
                     batch=2, seq=32, lr=1e-3, optimizer_kwargs=kw, eval_every=4,
                     eval_seqs=2, log_every=0, timeout_s=240.0, imports=[])
-    run = launch(cfg)
-    sent = sum(run["bytes_last_step"].values())
-    assert run["dense_steps"] == 1 and len(run["mask_rows"]) >= 2
-    assert formula_bytes(run, world=2) == sent
-    fp32 = formula_bytes({**run, "config": {**run["config"], "optimizer_kwargs": {}}}, world=2)
+    result = run(cfg)
+    sent = sum(result["bytes_last_step"].values())
+    assert result["dense_steps"] == 1 and len(result["mask_rows"]) >= 2
+    assert formula_bytes(result, world=2) == sent
+    plain = {**result, "config": {**result["config"], "optimizer_kwargs": {}}}
+    fp32 = formula_bytes(plain, world=2)
     assert fp32 > sent  # every 8-bit leg sends fewer bytes
 
 
