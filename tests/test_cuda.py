@@ -371,6 +371,28 @@ def test_pack_unpack_match_cpu_bitwise(bits):
     assert torch.equal(_cpu(dec), pack_mod.unpack_ref(want, s, group, bits, n))
 
 
+@pytest.mark.parametrize("n_blocks,block,k", [(64, 4096, 41), (16, 4096, 410), (5, 1024, 1000)],
+                         ids=["k41-0.99", "k410-0.9", "k1000-odd"])
+def test_take_pack8_matches_cpu_bitwise(n_blocks, block, k):
+    # the 8-bit gradient wire's fused take against its torch twin
+    gen = seeded("cuda-take-pack8", n_blocks, block, k)
+    src = torch.randn(n_blocks * block, generator=gen) * torch.logspace(
+        -4, 1, n_blocks).repeat_interleave(block)
+    idx = torch.stack([torch.randperm(block, generator=gen)[:k] for _ in range(n_blocks)])
+    idx = idx.to(torch.int16)
+    src[:block] = 0.0  # a row whose scale is 0
+    want_buf, want_codes = src.clone(), torch.empty(n_blocks * k, dtype=torch.uint8)
+    want_scales = torch.empty(n_blocks)
+    pack_mod.take_pack8_ref(want_buf, idx, block, want_codes, want_scales)
+    buf = src.to(DEV)
+    codes = torch.full((n_blocks * k,), 7, dtype=torch.uint8, device=DEV)
+    scales = nan_empty(n_blocks, F32, DEV)
+    kernels.take_pack8_(buf, idx.to(DEV), block, codes=codes, scales=scales)
+    assert torch.equal(_cpu(scales), want_scales)
+    assert torch.equal(_cpu(codes), want_codes), f"{int((_cpu(codes) != want_codes).sum())} differ"
+    assert torch.equal(_cpu(buf), want_buf), "the residuals differ"
+
+
 # --------------------------------------------------------------------------- optimizer
 def _mlp(device: str) -> torch.nn.Module:
     torch.manual_seed(0)
