@@ -378,8 +378,7 @@ def test_take_pack8_matches_cpu_bitwise(n_blocks, block, k):
     gen = seeded("cuda-take-pack8", n_blocks, block, k)
     src = torch.randn(n_blocks * block, generator=gen) * torch.logspace(
         -4, 1, n_blocks).repeat_interleave(block)
-    idx = torch.stack([torch.randperm(block, generator=gen)[:k] for _ in range(n_blocks)])
-    idx = idx.to(torch.int16)
+    idx = random_mask(n_blocks, block, k, gen)
     src[:block] = 0.0  # a row whose scale is 0
     want_buf, want_codes = src.clone(), torch.empty(n_blocks * k, dtype=torch.uint8)
     want_scales = torch.empty(n_blocks)

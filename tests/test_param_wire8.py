@@ -25,9 +25,13 @@ def _gather_cat(t: torch.Tensor, world: int) -> torch.Tensor:
     return torch.cat(out)
 
 
-def _gap_body(rank: int, world: int, dtype: torch.dtype, steps: int) -> dict:
+def _params(dtype: torch.dtype = torch.float32) -> list[torch.nn.Parameter]:
     gen = torch.Generator().manual_seed(5)
-    params = [torch.nn.Parameter(torch.randn(s, generator=gen).to(dtype)) for s in SHAPES]
+    return [torch.nn.Parameter(torch.randn(s, generator=gen).to(dtype)) for s in SHAPES]
+
+
+def _gap_body(rank: int, world: int, dtype: torch.dtype, steps: int) -> dict:
+    params = _params(dtype)
     opt = scape.SCAPE(params, lr=3e-2, sparsity=0.9, block_size=BLOCK, warmup_steps=2,
                       dense_every=7, grad_comm_dtype=torch.int8, param_comm_dtype=torch.int8)
     opt.ramp_steps = 0
@@ -108,11 +112,7 @@ def test_a_load_rebuilds_the_model_copy_from_the_master_and_closes_the_gap():
         return scape.SCAPE(params, lr=3e-2, sparsity=0.9, block_size=BLOCK, warmup_steps=2,
                            grad_comm_dtype=torch.int8, param_comm_dtype=torch.int8)
 
-    def fresh():
-        gen = torch.Generator().manual_seed(5)
-        return [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in SHAPES]
-
-    params = fresh()
+    params = _params()
     opt = run(params)
     opt.ramp_steps = 0
     for t in range(12):
@@ -125,7 +125,7 @@ def test_a_load_rebuilds_the_model_copy_from_the_master_and_closes_the_gap():
     gap = s.master - b.param_flat[b.shard]
     assert float(gap.abs().max()) > 0, "the codes left no gap to close"
     saved, model = opt.state_dict(), [p.detach().clone() for p in params]
-    params2 = fresh()
+    params2 = _params()
     with torch.no_grad():
         for p, m in zip(params2, model):
             p.copy_(m)
