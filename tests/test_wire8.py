@@ -1,7 +1,8 @@
 """take_pack8_: the 8-bit gradient wire's fused take, code and error feedback. The Triton
 kernel (through the interpreter on CPU) against the torch twin bit for bit; the invariants
 (buffer + decoded == before at the mask, untouched elsewhere, error within scale / 255, codes
-those of pack_values); zero rows; validation. sm_80/sm_90 compilation and spills:
+those of pack_values); zero rows; validation. The wire's all-to-all against the fp32
+reduce-scatter carrying the same decoded values (W=4). sm_80/sm_90 compilation and spills:
 tests/test_compile.py."""
 
 from __future__ import annotations
@@ -10,7 +11,10 @@ import zlib
 
 import pytest
 import torch
+from dist import run_ranks
 
+import scape
+import scape.optimizer
 from scape import kernels
 from scape.kernels import pack
 
@@ -126,3 +130,49 @@ def test_offset_validation_messages():
     with pytest.raises(ValueError, match="packed"):
         kernels.unpack_offsets(torch.zeros(8, dtype=torch.uint8), 3, 4096,
                                out=torch.empty(6, dtype=torch.int16))
+
+
+# ----------------------------------------------- the all-to-all against the reduce-scatter
+def _same_values_body(rank: int, world: int, steps: int) -> list[tuple[float, float]]:
+    """Per step: max |p_int8 - p_decoded| and max |p_int8 - p_fp32| over the rank's
+    parameters, from one start and the same gradients; ``p_decoded`` is the fp32 wire whose
+    take sends the 8-bit wire's decoded values (and keeps its coding error as residual)."""
+    exact_take = scape.optimizer.take_
+
+    def decoded_take(src, idx, block_size, out=None, out_dtype=None):
+        codes, scales = kernels.take_pack8_(src, idx, block_size)
+        return kernels.unpack_values(codes, scales, idx.shape[1], 8, codes.numel())
+
+    params = {}
+    for name, take, kw in (("int8", exact_take, {"grad_comm_dtype": torch.int8}),
+                           ("decoded", decoded_take, {}), ("fp32", exact_take, {})):
+        p = torch.nn.Parameter(torch.randn(8 * 4096 * world, generator=_gen("p")) * 0.02)
+        scape.optimizer.take_ = take
+        try:
+            opt = scape.SCAPE([p], lr=1e-3, sparsity=0.99, warmup_steps=1, **kw)
+            trail = []
+            for t in range(steps):
+                g = _gen("g", t, rank)  # gradients that span decades, as a residual's rows
+                p.grad = torch.randn(p.numel(), generator=g) \
+                    * torch.rand(p.numel(), generator=g) ** 4
+                opt.step()
+                trail.append(p.detach().clone())
+        finally:
+            scape.optimizer.take_ = exact_take
+        params[name] = trail
+    return [(float((a - b).abs().max()), float((a - c).abs().max()))
+            for a, b, c in zip(params["int8"], params["decoded"], params["fp32"])]
+
+
+def test_the_all_to_all_delivers_what_the_reduce_scatter_would_of_the_same_values():
+    # The 8-bit wire's owners decode every rank's codes and average them in rank order; the
+    # fp32 wire's reduce-scatter sums the same decoded values in its own order. The steps
+    # agree to that order's rounding, while the coding itself moves the parameters by about
+    # a step (lr): a run of the 8-bit wire differs from the fp32 wire's by its code, not by
+    # its collective.
+    steps = 8
+    for rows in run_ranks(_same_values_body, 4, steps, timeout=300):
+        assert rows[0] == (0.0, 0.0), "the dense first step differs"
+        for t, (path, code) in enumerate(rows[1:], 1):
+            assert path <= 1e-6, f"step {t}: the collectives differ by {path:.3g}"
+            assert code >= 1e-4, f"step {t}: the coding moved nothing ({code:.3g})"
