@@ -17,6 +17,7 @@ import scape
 import scape.optimizer
 from scape import kernels
 from scape.kernels import pack
+from scape.wire import Wire8
 
 
 def _gen(*key) -> torch.Generator:
@@ -141,7 +142,7 @@ def _same_values_body(rank: int, world: int, steps: int) -> list[tuple[float, fl
 
     def decoded_take(src, idx, block_size, out=None, out_dtype=None):
         codes, scales = kernels.take_pack8_(src, idx, block_size)
-        return kernels.unpack_values(codes, scales, idx.shape[1], 8, codes.numel())
+        return Wire8.decoded(codes, scales, idx.shape[1])
 
     params = {}
     for name, take, kw in (("int8", exact_take, {"grad_comm_dtype": torch.int8}),
