@@ -58,7 +58,7 @@ from scape.masks import MaskState, fit_mask, on_device
 from scape.optim_hooks import load_state_dict_hooks, state_dict_hooks
 from scape.profiling import phase
 from scape.rules import ShardState, block_budget
-from scape.schedules import RAMP_START, sparsity_ramp, start_ramp_steps
+from scape.schedules import ramp_start, sparsity_ramp, start_ramp_steps
 from scape.sharded import ShardedOptimizer, _Pending, positional_error
 from scape.two_level import NodeLevel
 from scape.wire import ParamWire8, Wire8, as_dtype, gather_parts
@@ -90,8 +90,8 @@ class SCAPE(ShardedOptimizer):
             :func:`scape.rules.register`.
         block_size: coordinates per mask block (power of two in [256, 32768]).
         total_steps: the run's length, to size the start: after ``warmup_steps`` dense steps
-            the sparsity ramps from 0.5 up over as many steps as keep a 0.99 run within 1/50
-            of dense's bytes (:mod:`scape.schedules`). None: a 100-step ramp.
+            the sparsity ramps from 10x the group's density (at most 0.5) to its own for as
+            long as keeps a 0.99 run in 1/50 of dense's bytes (:mod:`scape.schedules`).
         warmup_steps: dense steps at the start (they build the statistics the masks read).
         dense_every: every n-th step is dense, sending all the residuals hold (0: never).
         max_grad_norm: clip the synchronized gradient to this norm (None: no clipping).
@@ -124,7 +124,8 @@ class SCAPE(ShardedOptimizer):
         self.warmup_steps = warmup_steps
         self.dense_every = dense_every
         self.total_steps = total_steps
-        self._ramp_steps: int | None = None  # sized at the first mask (after attach)
+        self._ramp_steps = 0  # the ramp_steps setter's, for every group
+        self._ramp_sized: dict[float, int] = {}  # per start, sized at the first mask (after attach)
         self._ramp_fixed = False  # set by the ramp_steps setter: kept through a new layout
         self.update = update
         self.rule = rules.RULES.get(update) if isinstance(update, str) else None
@@ -143,8 +144,7 @@ class SCAPE(ShardedOptimizer):
 
     def _build_layout(self, apart: frozenset[int]) -> None:
         super()._build_layout(apart)
-        if not self._ramp_fixed:
-            self._ramp_steps = None  # the budgets changed: sized again at the first mask
+        self._ramp_sized = {}  # the budgets changed: sized again at the first mask
         self._share = [embeddings.share_of_blocks(self.buckets, gi)
                        for gi in range(len(self.param_groups))]
         """Per group, its embedding matrices' share of its blocks (0.0: none set apart)."""
@@ -299,26 +299,42 @@ class SCAPE(ShardedOptimizer):
 
     @property
     def ramp_steps(self) -> int:
-        """The start's sparsity ramp in steps after the dense warm-up: sized from
-        ``total_steps`` (:func:`scape.schedules.start_ramp_steps`) on the layout, so read it
-        after :meth:`attach`; 0 once a :class:`scape.SparsityRamp` took the ramp over."""
-        if self._ramp_steps is None:
-            self._ramp_steps = start_ramp_steps(self, self.total_steps)
-        return self._ramp_steps
+        """The start's sparsity ramp in steps after the dense warm-up, the longest of the
+        groups' (:meth:`ramp_steps_of`), so read it after :meth:`attach`; setting it gives
+        every group that length (0: none; a :class:`scape.SparsityRamp` sets 0)."""
+        return max((self.ramp_steps_of(g) for g in range(len(self.param_groups))), default=0)
 
     @ramp_steps.setter
     def ramp_steps(self, steps: int) -> None:
         config.check_int("ramp_steps", steps, 0)
         self._ramp_steps, self._ramp_fixed = int(steps), True
 
+    def ramp_steps_of(self, group: int) -> int:
+        """Param group ``group``'s start ramp in steps after the dense warm-up: from
+        :func:`scape.schedules.ramp_start` of its sparsity, sized from ``total_steps`` as a
+        0.99 run from that start within 1/50 of dense's bytes
+        (:func:`scape.schedules.start_ramp_steps`: 0.99 from 0.9 over 363 of 2,000 steps on
+        the bundled model, 0.9 from 0.5 over 89); 0 for a dense group or one at or below 0.5;
+        the setter's length where :attr:`ramp_steps` was set."""
+        if self._ramp_fixed:
+            return self._ramp_steps
+        end = float(self.param_groups[group]["sparsity"])
+        s0 = ramp_start(end) if end > 0.0 else end
+        if s0 >= end:
+            return 0
+        if s0 not in self._ramp_sized:
+            self._ramp_sized[s0] = start_ramp_steps(self, self.total_steps, s0)
+        return self._ramp_sized[s0]
+
     def sparsity_at(self, group: int, t: int) -> float:
         """The sparsity of the mask made at step ``t`` for param group ``group``: the group's
         own, or on the start's ramp (:func:`scape.sparsity_ramp` at ``t - warmup_steps``)."""
         end = float(self.param_groups[group]["sparsity"])
-        if end == 0.0 or self.ramp_steps == 0:
+        steps = self.ramp_steps_of(group)
+        if end == 0.0 or steps == 0:
             return end
-        return sparsity_ramp(t - self.warmup_steps, start=min(RAMP_START, end), end=end,
-                             ramp_steps=self.ramp_steps)
+        return sparsity_ramp(t - self.warmup_steps, start=ramp_start(end), end=end,
+                             ramp_steps=steps)
 
     def _set_budget(self, b: Bucket, mask: MaskState) -> None:
         mask.k, mask.k_explore = self.mask_budget(b, self.sparsity_at(b.group, self._step))

@@ -2,7 +2,7 @@
 writes into ``param_group["sparsity"]`` between steps, as an LR scheduler writes ``lr``.
 
 :class:`scape.SCAPE` ramps by itself: after ``warmup_steps`` dense steps (1 by default) each
-sparse group's sparsity rises from :data:`RAMP_START` to its own over
+sparse group's sparsity rises from :func:`ramp_start` of its own to its own over
 :func:`start_ramp_steps` steps, sized from the optimizer's ``total_steps`` so that a run at
 sparsity 0.99 sends at most :data:`RAMP_BUDGET` of dense AdamS's bytes. A sparsity warm-up
 spends more of a run's bytes early, as Deep Gradient Compression (Lin et al., 2018) does; here
@@ -38,19 +38,40 @@ SCAPE = Any
 """What the functions here take: a :class:`scape.SCAPE` (``scape.optimizer`` imports this
 module, so it is checked by what it has, not imported)."""
 
+
+
 RAMP_START = 0.5
-"""Where the start's ramp begins: half the coordinates (a group sparser than this ramps from
-its own). Chosen on the two bundled workloads (docs/research.md, entry 11)."""
+"""The sparsity the start's ramp begins at, at most: half the coordinates (a group at or below
+it has no ramp). Chosen on the two bundled workloads (docs/research.md, entry 11); at 0.9 a
+later start lost on `gpt` over 2,000 steps ("The start's ramp at ten times the density")."""
+RAMP_FACTOR = 10
+"""The start's density over the group's own, where that is sparser than :data:`RAMP_START`:
+a 0.99 group starts at 0.9. On the third workload a 0.99 run's ramp from 0.9 ended 1.8% lower
+than one from 0.5 within the same bytes (docs/research.md, "The third workload's remaining
+constants")."""
+
+
+def ramp_start(end: float) -> float:
+    """Where the start's ramp to sparsity ``end`` begins: at :data:`RAMP_FACTOR` times the
+    group's density, but no denser than :data:`RAMP_START` (0.9 for a group at 0.99, 0.5 at
+    0.9, 0.99 at 0.999; ``end`` itself at or below 0.5: no ramp)."""
+    config.check_sparsity(end)
+    return min(end, max(RAMP_START, 1.0 - RAMP_FACTOR * (1.0 - end)))
+
+
+_OWN = "own"
+"""A ``start`` for the private byte counters: each group ramps from :func:`ramp_start` of its
+own sparsity (the optimizer's own ramp)."""
 RAMP_BUDGET = 1 / 50
 """The bytes, as a fraction of dense AdamS's, that a run at :data:`RAMP_REFERENCE` may send
 with its ramp (the byte goal README "Cost" states)."""
 RAMP_REFERENCE = 0.99
 """The sparsity the ramp's length is sized at: a group at any sparsity ramps for as many steps
 as one at 0.99 would (so 0.9, which alone sends more than :data:`RAMP_BUDGET`, ramps too)."""
-RAMP_STEPS_UNSIZED = 100
-"""The ramp's length when the optimizer is not told the run's length: about what a 2,000-step
-run is sized to (91 steps on the bundled model), so within :data:`RAMP_BUDGET` from runs of
-about that length on; a shorter run sends more (give ``total_steps``)."""
+RUN_STEPS_UNSIZED = 2000
+"""The run's length the ramp is sized for when the optimizer is not told it: within
+:data:`RAMP_BUDGET` from runs of about that length on (363 steps at 0.99, 89 at 0.9 on the
+bundled model); a shorter run sends more (give ``total_steps``)."""
 
 
 def sparsity_ramp(step: int, *, start: float, end: float, ramp_steps: int) -> float:
@@ -103,9 +124,10 @@ def run_bytes(opt: SCAPE, total_steps: int, *, start: float | None = None,
     also shares the next mask, made at :func:`sparsity_ramp` ``(t - warmup_steps)`` from
     ``start`` to each sparse group's sparsity (``ends``: their values now by default) over
     ``ramp_steps`` (no ramp when ``start`` is None; both left out: the optimizer's own ramp,
-    :attr:`scape.SCAPE.ramp_steps`); a sparse step whose scalars ride in its collectives
-    (no clipping, every group sparse, plain parameters) counts the count and the sums of
-    squares there instead of the 8-byte all-reduce. Dense AdamS sends ``N (b_g + b_p) + 8``
+    each group's from its :func:`ramp_start` over :meth:`scape.SCAPE.ramp_steps_of`); a sparse
+    step whose scalars ride in its collectives (no clipping, every group sparse, plain
+    parameters) counts the count and the sums of squares there instead of the 8-byte
+    all-reduce. Dense AdamS sends ``N (b_g + b_p) + 8``
     a step: the same wire dtypes (fp32 gradients for the 8-bit wire, :mod:`scape.wire`, whose
     sparse steps count its segments, as for 8-bit parameter updates), no padding. Exact for
     every rank's payload, as
@@ -116,13 +138,15 @@ def run_bytes(opt: SCAPE, total_steps: int, *, start: float | None = None,
     """
     _check_opt(opt)
     config.check_int("total_steps", total_steps, 1)
-    if start is None and ramp_steps == 0 and opt.ramp_steps:  # the optimizer's own ramp
-        start, ramp_steps = RAMP_START, opt.ramp_steps
+    if start is None and ramp_steps == 0 and opt.ramp_steps:  # the optimizer's own ramp:
+        lengths = [opt.ramp_steps_of(g) for g in range(len(opt.param_groups))]  # each group's
+        return _run_bytes(opt, total_steps, _OWN, lengths, _ends(opt, ends))
     return _run_bytes(opt, total_steps, start, ramp_steps, _ends(opt, ends))
 
 
-def _run_bytes(opt: SCAPE, total_steps: int, start: float | None, ramp_steps: int,
-               ends: list[float], reference_wire: bool = False) -> float:
+def _run_bytes(opt: SCAPE, total_steps: int, start: float | str | None,
+               ramp_steps: int | list[int], ends: list[float],
+               reference_wire: bool = False) -> float:
     wire = torch.float32 if reference_wire else opt.grad_comm_dtype
     wire8 = wire == torch.int8  # scape.wire: codes and row scales
     b_g = 4 if wire8 else wire.itemsize  # a dense step's (and dense AdamS's)
@@ -136,8 +160,10 @@ def _run_bytes(opt: SCAPE, total_steps: int, start: float | None, ramp_steps: in
     def sparsity(g: int, t: int) -> float:
         if start is None or ends[g] == 0.0:
             return ends[g]
-        return sparsity_ramp(t - w, start=min(start, ends[g]), end=ends[g],
-                             ramp_steps=ramp_steps)
+        s0 = ramp_start(ends[g]) if start == _OWN else min(float(start), ends[g])
+        return sparsity_ramp(t - w, start=s0, end=ends[g], ramp_steps=lengths[g])
+
+    lengths = ramp_steps if isinstance(ramp_steps, list) else [ramp_steps] * len(ends)
 
     def step_bytes(t: int, dense_step: bool, next_dense: bool) -> int:
         """What step ``t`` sends (every quantity is a whole number of bytes: sums are exact)."""
@@ -174,7 +200,7 @@ def _run_bytes(opt: SCAPE, total_steps: int, start: float | None, ramp_steps: in
                                          for b in opt.buckets))
     # step by step while the ramp or the warm-up shapes a step; from ``steady`` on a step's
     # bytes depend only on whether it and the next are dense (every ``dense_every``-th)
-    steady = w + 2 + (ramp_steps if start is not None else 0)
+    steady = w + 2 + (max(lengths, default=0) if start is not None else 0)
     sent = 0
     for t in range(1, min(steady, total_steps + 1)):
         sent += step_bytes(t, opt.is_dense_step(t), opt.is_dense_step(t + 1))
@@ -195,18 +221,20 @@ def _run_bytes(opt: SCAPE, total_steps: int, start: float | None, ramp_steps: in
     return sent / dense_total
 
 
-def longest_ramp(opt: SCAPE, total_steps: int, *, budget: float, start: float = 0.5,
+def longest_ramp(opt: SCAPE, total_steps: int, *, budget: float, start: float | None = None,
                  ends: list[float] | None = None) -> int:
-    """The most steps a ramp from ``start`` can take while ``total_steps`` steps of ``opt``
-    send at most ``budget`` of dense AdamS's bytes (:func:`run_bytes`): 0 when only no ramp
-    fits. Raises ``ValueError`` when even that does not fit (fewer warm-up steps, a lower
+    """The most steps a ramp from ``start`` (``None``: each group from :func:`ramp_start` of
+    its own sparsity, as the optimizer's own ramp) can take while ``total_steps`` steps of
+    ``opt`` send at most ``budget`` of dense AdamS's bytes (:func:`run_bytes`): 0 when only no
+    ramp fits. Raises ``ValueError`` when even that does not fit (fewer warm-up steps, a lower
     target sparsity or a larger budget would)."""
     _check_opt(opt)
     config.check_int("total_steps", total_steps, 1)
-    return _longest_ramp(opt, total_steps, budget, start, _ends(opt, ends))
+    return _longest_ramp(opt, total_steps, budget, _OWN if start is None else start,
+                         _ends(opt, ends))
 
 
-def _longest_ramp(opt: SCAPE, total_steps: int, budget: float, start: float,
+def _longest_ramp(opt: SCAPE, total_steps: int, budget: float, start: float | str,
                   ends: list[float], reference_wire: bool = False) -> int:
     if not 0.0 < budget <= 1.0:
         raise ValueError(f"Invalid budget: {budget} (a fraction of dense's bytes in (0, 1])")
@@ -225,24 +253,27 @@ def _longest_ramp(opt: SCAPE, total_steps: int, budget: float, start: float,
     return lo
 
 
-def start_ramp_steps(opt: SCAPE, total_steps: int | None) -> int:
-    """The length of ``opt``'s start ramp for a run of ``total_steps`` steps: the longest that
-    keeps it within :data:`RAMP_BUDGET` of dense AdamS's bytes were every sparse group at
-    :data:`RAMP_REFERENCE` (:func:`longest_ramp` from :data:`RAMP_START`); 0 where not even
-    no ramp fits (a run of a few steps, or many dense ones); :data:`RAMP_STEPS_UNSIZED` for
-    ``total_steps=None``. The same on every rank (it reads the layout only). A two-level
-    optimizer is sized by the same formula over its buckets. The bytes are counted on the
-    reference wire, fp32 gradients, the model's values, int16 offsets and the scalars in an
-    all-reduce of their own, whatever the wire is (``grad_comm_dtype``, ``param_comm_dtype``,
-    the packed offsets of :mod:`scape.wire`), so the start does not depend on the wire: a
-    smaller wire lowers the whole run's bytes instead of buying a longer ramp."""
+def start_ramp_steps(opt: SCAPE, total_steps: int | None, start: float | None = None) -> int:
+    """The length of the start ramp from sparsity ``start`` (``None``: :func:`ramp_start` of
+    :data:`RAMP_REFERENCE`, 0.9) for a run of ``total_steps`` steps of ``opt``: the longest
+    that keeps it within :data:`RAMP_BUDGET` of dense AdamS's bytes were every sparse group at
+    :data:`RAMP_REFERENCE` and ramping from ``start`` (:func:`longest_ramp`); 0 where not even
+    no ramp fits (a run of a few steps, or many dense ones). ``total_steps=None`` sizes it for
+    :data:`RUN_STEPS_UNSIZED` steps. So a group ramps as long as a 0.99 run from its start
+    could: 0.99 from 0.9, and 0.9 from 0.5 over fewer steps. The same on every rank (it reads
+    the layout only). A two-level optimizer is sized by the same formula over its buckets. The
+    bytes are counted on the reference wire, fp32 gradients, the model's values, int16 offsets
+    and the scalars in an all-reduce of their own, whatever the wire is (``grad_comm_dtype``,
+    ``param_comm_dtype``, the packed offsets of :mod:`scape.wire`), so the start does not
+    depend on the wire: a smaller wire lowers the whole run's bytes instead of buying a longer
+    ramp."""
     if not any(g["sparsity"] > 0 for g in opt.param_groups):
         return 0  # nothing to ramp
-    if total_steps is None:
-        return RAMP_STEPS_UNSIZED
+    steps = RUN_STEPS_UNSIZED if total_steps is None else total_steps
+    s0 = ramp_start(RAMP_REFERENCE) if start is None else start
     ends = [RAMP_REFERENCE if g["sparsity"] > 0 else 0.0 for g in opt.param_groups]
     try:
-        return _longest_ramp(opt, total_steps, RAMP_BUDGET, RAMP_START, ends, reference_wire=True)
+        return _longest_ramp(opt, steps, RAMP_BUDGET, s0, ends, reference_wire=True)
     except ValueError:  # even no ramp sends more than the budget
         return 0
 
@@ -255,15 +286,17 @@ class SparsityRamp:
     Every sparse group's sparsity ramps from ``start`` to its value at construction (its
     target) over ``ramp_steps`` sparse steps (:func:`sparsity_ramp`), counted from
     ``opt.step_count``, so it follows a loaded checkpoint; a group whose target is below
-    ``start`` keeps its target throughout. Give ``ramp_steps``, or ``total_steps`` and
-    ``budget`` to take :func:`longest_ramp` (one level only: it counts bytes with the formula
-    of README "Cost"); ``ramp_steps=0`` is no ramp. It replaces the optimizer's own start ramp
-    (``opt.ramp_steps`` becomes 0). Save it with the
+    ``start`` keeps its target throughout. ``start=None`` (the default) starts each group at
+    :func:`ramp_start` of its target, where the optimizer's own ramp starts (one length for
+    every group, where the optimizer's own gives each its own). Give ``ramp_steps``, or
+    ``total_steps`` and ``budget`` to take :func:`longest_ramp` (one level only: it counts
+    bytes with the formula of README "Cost"); ``ramp_steps=0`` is no ramp. It replaces the
+    optimizer's own start ramp (``opt.ramp_steps`` becomes 0). Save it with the
     optimizer (``scape.save_checkpoint(opt, root, extra={"ramp": ramp})``): its state holds
     the targets, which the groups' own values no longer show mid-ramp.
     """
 
-    def __init__(self, opt: SCAPE, *, start: float = 0.5, ramp_steps: int | None = None,
+    def __init__(self, opt: SCAPE, *, start: float | None = None, ramp_steps: int | None = None,
                  total_steps: int | None = None, budget: float | None = None) -> None:
         _check_opt(opt, counts_bytes=ramp_steps is None)
         if (ramp_steps is None) == (total_steps is None or budget is None):
@@ -271,14 +304,15 @@ class SparsityRamp:
         self.opt = opt
         self.ends = _ends(opt, None)
         for end in self.ends:
-            if end:
+            if end and start is not None:
                 sparsity_ramp(0, start=start, end=end, ramp_steps=0)  # its checks
         if ramp_steps is None:
             assert total_steps is not None and budget is not None
             ramp_steps = longest_ramp(opt, total_steps, budget=budget, start=start,
                                       ends=self.ends)
         config.check_int("ramp_steps", ramp_steps, 0)
-        self.start, self.ramp_steps = float(start), int(ramp_steps)
+        self.start = None if start is None else float(start)
+        self.ramp_steps = int(ramp_steps)
         opt.ramp_steps = 0  # this ramp replaces the optimizer's own
         self.step()
 
@@ -287,8 +321,8 @@ class SparsityRamp:
         j = self.opt.step_count + 1 - self.opt.warmup_steps
         for g, end in zip(self.opt.param_groups, self.ends):
             if end:  # a group below start (denser) keeps its own sparsity throughout
-                g["sparsity"] = sparsity_ramp(j, start=min(self.start, end), end=end,
-                                              ramp_steps=self.ramp_steps)
+                s0 = ramp_start(end) if self.start is None else min(self.start, end)
+                g["sparsity"] = sparsity_ramp(j, start=s0, end=end, ramp_steps=self.ramp_steps)
 
     def state_dict(self) -> dict[str, Any]:
         return {"start": self.start, "ramp_steps": self.ramp_steps, "ends": list(self.ends)}
@@ -297,7 +331,9 @@ class SparsityRamp:
         if len(state["ends"]) != len(self.ends):
             raise ValueError(f"SparsityRamp state for {len(state['ends'])} param groups, the "
                              f"optimizer has {len(self.ends)}")
-        self.start, self.ramp_steps = float(state["start"]), int(state["ramp_steps"])
+        start = state["start"]
+        self.start = None if start is None else float(start)
+        self.ramp_steps = int(state["ramp_steps"])
         self.ends = [float(e) for e in state["ends"]]
         self.step()
 

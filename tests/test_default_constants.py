@@ -16,7 +16,8 @@ def _live(name: str) -> object:
     """The value the code uses for the table's name (several names: a tuple)."""
     where = {"NOISE_BETA": rules, "STEADY_BETA": rules, "TRUST": rules,
              "SHORT_FACTOR": embeddings, "LONG_FACTOR": embeddings, "MAX_SHARE": embeddings,
-             "RAMP_START": schedules, "RAMP_BUDGET": schedules, "RAMP_REFERENCE": schedules}
+             "RAMP_START": schedules, "RAMP_FACTOR": schedules, "RAMP_BUDGET": schedules,
+             "RAMP_REFERENCE": schedules}
     values = []
     for part in (n.strip() for n in name.split(",")):
         if part == "Rule.explore":

@@ -10,7 +10,7 @@ import torch
 
 import scape
 from bench.engine.nullcomm import NullCommunicator
-from scape.schedules import longest_ramp, run_bytes
+from scape.schedules import longest_ramp, ramp_start, run_bytes
 
 
 def _groups(seed: int, mixed: bool) -> list[dict]:
@@ -66,11 +66,14 @@ def test_run_bytes_is_what_the_steps_send(warmup, every, ramp, mixed, wire):
 def test_longest_ramp_fits_the_budget_and_one_more_step_does_not():
     steps, budget = 60, 1 / 20
     opt = _opt(_groups(1, False), comm=NullCommunicator(4, 0))  # a 4-rank layout, no peers
-    r = longest_ramp(opt, steps, budget=budget)
+    r = longest_ramp(opt, steps, budget=budget, start=0.5)
     assert 0 < r < steps
     assert run_bytes(opt, steps, start=0.5, ramp_steps=r) <= budget
     assert run_bytes(opt, steps, start=0.5, ramp_steps=r + 1) > budget
     assert longest_ramp(opt, steps, budget=budget, start=0.8) > r  # a sparser start: longer
+    # no start given: each group from ramp_start of its own sparsity, 0.9 at 0.99
+    own = longest_ramp(opt, steps, budget=budget)
+    assert own == longest_ramp(opt, steps, budget=budget, start=ramp_start(0.99)) > r
     ramp = scape.SparsityRamp(opt, start=0.5, total_steps=steps, budget=budget)
     assert ramp.ramp_steps == r
     with pytest.raises(ValueError, match="without a ramp"):
@@ -225,18 +228,18 @@ def _train_sent(opt: scape.SCAPE, steps: int, sched=None) -> int:
 
 
 def test_the_optimizers_own_ramp_is_the_scheduler_sized_to_the_run():
-    """``total_steps=T`` trains bit for bit as a ``SparsityRamp`` of the same length from 0.5
-    on an optimizer without its own ramp, and sends what ``run_bytes`` says: at most 1/50 of
-    dense AdamS's bytes. The length is sized on the reference wire (fp32 values, int16
-    offsets), which sends more than the packed offsets do: a ramp sized on this optimizer's
-    own bytes (``longest_ramp``, what ``SparsityRamp(total_steps=T, budget=1/50)`` takes) is
-    at least as long."""
+    """``total_steps=T`` trains bit for bit as a ``SparsityRamp`` of the same length and its
+    default start (:func:`ramp_start` of the target) on an optimizer without its own ramp,
+    and sends what ``run_bytes`` says: at most 1/50 of dense AdamS's bytes. The length is
+    sized on the reference wire (fp32 values, int16 offsets), which sends more than the
+    packed offsets do: a ramp sized on this optimizer's own bytes (``longest_ramp``, what
+    ``SparsityRamp(total_steps=T, budget=1/50)`` takes) is at least as long."""
     steps = 400
     own = scape.SCAPE(_groups(4, False), lr=1e-3, sparsity=0.99, block_size=4096,
                       total_steps=steps)
     outside = scape.SCAPE(_groups(4, False), lr=1e-3, sparsity=0.99, block_size=4096)
     sized = longest_ramp(outside, steps, budget=1 / 50)
-    sched = scape.SparsityRamp(outside, start=0.5, ramp_steps=own.ramp_steps)
+    sched = scape.SparsityRamp(outside, ramp_steps=own.ramp_steps)
     assert outside.ramp_steps == 0 and 0 < own.ramp_steps <= sized
     sent = _train_sent(own, steps)
     assert _train_sent(outside, steps, sched) == sent
@@ -248,16 +251,92 @@ def test_the_optimizers_own_ramp_is_the_scheduler_sized_to_the_run():
     assert run_bytes(own, steps) <= 1 / 50
 
 
+def test_the_start_is_ten_times_the_density_at_most_half():
+    """``ramp_start(s)`` has ``RAMP_FACTOR`` times the density ``1 - s``, no denser than
+    ``RAMP_START``, never sparser than ``s``: sparser targets start sparser; and the
+    optimizer's first sparse mask and a ``SparsityRamp`` without ``start`` are made there."""
+    from scape.schedules import RAMP_FACTOR, RAMP_START
+
+    ends = torch.linspace(0.0, 0.9999, 97, dtype=torch.float64).tolist()
+    starts = [ramp_start(e) for e in ends]
+    for e, s0 in zip(ends, starts):
+        assert s0 <= e
+        if e <= RAMP_START:
+            assert s0 == e  # no ramp
+        else:
+            assert RAMP_START <= s0 < e
+            assert 1 - s0 == pytest.approx(min(1 - RAMP_START, RAMP_FACTOR * (1 - e)),
+                                           abs=1e-12)
+    assert starts == sorted(starts)
+    assert (ramp_start(0.99), ramp_start(0.9), ramp_start(0.98)) == pytest.approx((0.9, 0.5, 0.8))
+    with pytest.raises(ValueError):
+        ramp_start(1.0)
+    for sparsity in (0.99, 0.9):
+        opt = scape.SCAPE(_groups(2, False), lr=1e-3, sparsity=sparsity, block_size=256,
+                          total_steps=2000)
+        assert opt.ramp_steps > 0
+        assert opt.sparsity_at(0, opt.warmup_steps) == pytest.approx(ramp_start(sparsity))
+        assert opt.sparsity_at(0, opt.warmup_steps + opt.ramp_steps) == sparsity
+        outside = scape.SCAPE(_groups(2, False), lr=1e-3, sparsity=sparsity, block_size=256)
+        ramp = scape.SparsityRamp(outside, ramp_steps=opt.ramp_steps)
+        assert ramp.start is None and ramp.state_dict()["start"] is None
+        assert outside.param_groups[0]["sparsity"] == opt.sparsity_at(0, opt.warmup_steps)
+
+
+def test_each_group_ramps_from_its_own_start_over_its_own_length():
+    """A 0.99 and a 0.9 group in one optimizer, each on its own ramp (from 0.9 and from 0.5,
+    over lengths sized for each start), train bit for bit as the hand-written loop that writes
+    each group's sparsity on that ramp into an optimizer without its own, and send what
+    ``run_bytes`` counts."""
+    steps = 40  # of a 600-step run: past the 0.9 group's ramp, into the 0.99 group's
+    groups = _groups(7, True)[:2]
+    own = scape.SCAPE(groups, lr=1e-3, sparsity=0.99, block_size=256, total_steps=600)
+    lengths = [own.ramp_steps_of(g) for g in range(2)]
+    assert lengths[0] > steps > lengths[1] > 0
+    hand = scape.SCAPE(_groups(7, True)[:2], lr=1e-3, sparsity=0.99, block_size=256)
+    hand.ramp_steps = 0
+    ends = [g["sparsity"] for g in hand.param_groups]
+    sent = 0
+    for t in range(steps):
+        for g, end, r in zip(hand.param_groups, ends, lengths):
+            g["sparsity"] = scape.sparsity_ramp(hand.step_count + 1 - hand.warmup_steps,
+                                                start=ramp_start(end), end=end, ramp_steps=r)
+        _grads(hand, t)
+        hand.step()
+    hand.finish_param_sync()
+    sent = _train_sent(own, steps)
+    for a, b in zip([p for g in own.param_groups for p in g["params"]],
+                    [p for g in hand.param_groups for p in g["params"]]):
+        assert torch.equal(a, b)
+    n = sum(p.numel() for g in own.param_groups for p in g["params"])
+    assert run_bytes(own, steps) * steps * (8 * n + 8) == pytest.approx(sent, rel=1e-12)
+
+
 def test_the_ramps_length_without_the_runs_and_for_a_short_run():
-    """No ``total_steps``: ``RAMP_STEPS_UNSIZED``; a run too short for any ramp within the
-    budget (its dense step alone is more): none. A 0.9 group ramps as long as 0.99 would."""
-    assert scape.SCAPE(_groups(5, False), lr=1e-3, block_size=4096).ramp_steps == \
-        scape.schedules.RAMP_STEPS_UNSIZED
+    """No ``total_steps``: sized as a ``RUN_STEPS_UNSIZED``-step run; a run too short for any
+    ramp within the budget (its dense step alone is more): none. A group ramps as long as a
+    0.99 group could from its start: a 0.9 group (from 0.5) as a 0.99 run from 0.5 would,
+    which is shorter than a 0.99 group's from 0.9; in one optimizer each group has its own."""
+    from scape.schedules import RUN_STEPS_UNSIZED, start_ramp_steps
+
+    unsized = scape.SCAPE(_groups(5, False), lr=1e-3, block_size=4096)
+    sized = scape.SCAPE(_groups(5, False), lr=1e-3, block_size=4096,
+                        total_steps=RUN_STEPS_UNSIZED)
+    assert unsized.ramp_steps == sized.ramp_steps > 0
     assert scape.SCAPE(_groups(5, False), lr=1e-3, block_size=4096,
                        total_steps=20).ramp_steps == 0
     at_099 = scape.SCAPE(_groups(5, False), lr=1e-3, block_size=4096, total_steps=1000)
     at_09 = scape.SCAPE(_groups(5, False), lr=1e-3, sparsity=0.9, block_size=4096,
                         total_steps=1000)
-    assert at_09.ramp_steps == at_099.ramp_steps > 0
+    from_05 = longest_ramp(at_099, 1000, budget=1 / 50, start=0.5)  # fp32 wire: packed offsets
+    assert 0 < at_09.ramp_steps == start_ramp_steps(at_099, 1000, 0.5) <= from_05
+    assert at_099.ramp_steps == start_ramp_steps(at_099, 1000) > at_09.ramp_steps
+    groups = _groups(5, True)  # 0.99, 0.9, dense: the dense group alone is over the budget
+    assert scape.SCAPE(groups, lr=1e-3, block_size=4096, total_steps=1000).ramp_steps == 0
+    mixed = scape.SCAPE(groups[:2], lr=1e-3, sparsity=0.99, block_size=256, total_steps=1000)
+    lengths = [mixed.ramp_steps_of(g) for g in range(2)]
+    assert lengths[0] > lengths[1] > 0 and mixed.ramp_steps == lengths[0]
+    mixed.ramp_steps = 7  # the setter: one length for every group
+    assert [mixed.ramp_steps_of(g) for g in range(2)] == [7, 7]
     with pytest.raises(ValueError, match="total_steps"):
         scape.SCAPE(_groups(5, False), lr=1e-3, total_steps=0)

@@ -153,8 +153,10 @@ CONSTANTS: tuple[tuple[str, Any, str, str], ...] = (
      "over the rest's (up to 0.974, above) and their largest share of the bytes (attach; "
      "scape.embeddings)",
      "docs/research.md, \"The embedding matrices set apart inside one group\""),
-    ("RAMP_START", 0.5, "where the start's sparsity ramp begins (scape.schedules)",
-     "docs/research.md, \"A sparsity ramp in place of the dense warm-up\""),
+    ("RAMP_START, RAMP_FACTOR", (0.5, 10), "where the start's sparsity ramp begins: at 10 "
+     "times the group's density, at most half the coordinates (scape.schedules.ramp_start)",
+     "docs/research.md, \"A sparsity ramp in place of the dense warm-up\" and \"The start's "
+     "ramp at ten times the density\""),
     ("RAMP_BUDGET, RAMP_REFERENCE", (1 / 50, 0.99), "the ramp's length: what keeps a 0.99 "
      "run within 1/50 of dense AdamS's bytes", "README \"Cost\""),
 )
