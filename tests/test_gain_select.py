@@ -108,6 +108,7 @@ def _problem(seed: int, update: str, comm=None, rank: int = 0):
     p = torch.nn.Parameter(torch.randn(8192))
     opt = scape.SCAPE([p], lr=1e-3, sparsity=0.97, block_size=256, warmup_steps=3,
                       update=update, comm=comm)
+    opt.ramp_steps = 0  # the rule at ``sparsity`` from the first sparse step
     g = torch.Generator().manual_seed(100 + rank)
     sign = torch.randn(2048, generator=torch.Generator().manual_seed(seed)).sign()
     return p, opt, g, sign
