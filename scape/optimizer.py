@@ -125,7 +125,7 @@ class SCAPE(ShardedOptimizer):
         self.dense_every = dense_every
         self.total_steps = total_steps
         self._ramp_steps = 0  # the ramp_steps setter's, for every group
-        self._ramp_sized: dict[float, int] = {}  # per start, sized at the first mask (after attach)
+        self._ramp_sized: dict[int, int] = {}  # per group, sized at the first mask (after attach)
         self._ramp_fixed = False  # set by the ramp_steps setter: kept through a new layout
         self.update = update
         self.rule = rules.RULES.get(update) if isinstance(update, str) else None
@@ -315,16 +315,17 @@ class SCAPE(ShardedOptimizer):
         0.99 run from that start within 1/50 of dense's bytes
         (:func:`scape.schedules.start_ramp_steps`: 0.99 from 0.9 over 363 of 2,000 steps on
         the bundled model, 0.9 from 0.5 over 89); 0 for a dense group or one at or below 0.5;
-        the setter's length where :attr:`ramp_steps` was set."""
+        the setter's length where :attr:`ramp_steps` was set. Sized once, at the first read
+        (the first mask), from the group's sparsity then, as a schedule's later values do not
+        resize it."""
         if self._ramp_fixed:
             return self._ramp_steps
-        end = float(self.param_groups[group]["sparsity"])
-        s0 = ramp_start(end) if end > 0.0 else end
-        if s0 >= end:
-            return 0
-        if s0 not in self._ramp_sized:
-            self._ramp_sized[s0] = start_ramp_steps(self, self.total_steps, s0)
-        return self._ramp_sized[s0]
+        if group not in self._ramp_sized:
+            end = float(self.param_groups[group]["sparsity"])
+            s0 = ramp_start(end)
+            self._ramp_sized[group] = 0 if s0 >= end else \
+                start_ramp_steps(self, self.total_steps, s0)
+        return self._ramp_sized[group]
 
     def sparsity_at(self, group: int, t: int) -> float:
         """The sparsity of the mask made at step ``t`` for param group ``group``: the group's

@@ -38,8 +38,6 @@ SCAPE = Any
 """What the functions here take: a :class:`scape.SCAPE` (``scape.optimizer`` imports this
 module, so it is checked by what it has, not imported)."""
 
-
-
 RAMP_START = 0.5
 """The sparsity the start's ramp begins at, at most: half the coordinates (a group at or below
 it has no ramp). Chosen on the two bundled workloads (docs/research.md, entry 11); at 0.9 a
@@ -49,6 +47,17 @@ RAMP_FACTOR = 10
 a 0.99 group starts at 0.9. On the third workload a 0.99 run's ramp from 0.9 ended 1.8% lower
 than one from 0.5 within the same bytes (docs/research.md, "The third workload's remaining
 constants")."""
+
+RAMP_BUDGET = 1 / 50
+"""The bytes, as a fraction of dense AdamS's, that a run at :data:`RAMP_REFERENCE` may send
+with its ramp (the byte goal README "Cost" states)."""
+RAMP_REFERENCE = 0.99
+"""The sparsity the ramp's length is sized at: a group at any sparsity ramps for as many steps
+as one at 0.99 would (so 0.9, which alone sends more than :data:`RAMP_BUDGET`, ramps too)."""
+RUN_STEPS_UNSIZED = 2000
+"""The run's length the ramp is sized for when the optimizer is not told it: within
+:data:`RAMP_BUDGET` from runs of about that length on (363 steps at 0.99, 89 at 0.9 on the
+bundled model); a shorter run sends more (give ``total_steps``)."""
 
 
 def ramp_start(end: float) -> float:
@@ -62,16 +71,6 @@ def ramp_start(end: float) -> float:
 _OWN = "own"
 """A ``start`` for the private byte counters: each group ramps from :func:`ramp_start` of its
 own sparsity (the optimizer's own ramp)."""
-RAMP_BUDGET = 1 / 50
-"""The bytes, as a fraction of dense AdamS's, that a run at :data:`RAMP_REFERENCE` may send
-with its ramp (the byte goal README "Cost" states)."""
-RAMP_REFERENCE = 0.99
-"""The sparsity the ramp's length is sized at: a group at any sparsity ramps for as many steps
-as one at 0.99 would (so 0.9, which alone sends more than :data:`RAMP_BUDGET`, ramps too)."""
-RUN_STEPS_UNSIZED = 2000
-"""The run's length the ramp is sized for when the optimizer is not told it: within
-:data:`RAMP_BUDGET` from runs of about that length on (363 steps at 0.99, 89 at 0.9 on the
-bundled model); a shorter run sends more (give ``total_steps``)."""
 
 
 def sparsity_ramp(step: int, *, start: float, end: float, ramp_steps: int) -> float:
