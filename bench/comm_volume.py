@@ -18,8 +18,8 @@ numbers come from the library in two pieces, neither of which re-types the byte 
    with ``k_b`` from ``scape.rules.block_budget`` at the default rule's ``explore``.
 
 Printed beside: the DESIGN formula (``bench.projection.bytes_per_step``: dense
-``N*(b_g+b_p)``, SCAPE ``K*(b_g+b_p)`` plus the offsets packed to ``log2(B)`` bits), which
-leaves out the dense padding, each rank's offset padding and the scalar all-reduce.
+``N*(b_g+b_p)``, SCAPE ``K*(b_g+b_p)`` plus every rank's mask rows in Elias-Fano code), which
+leaves out the dense padding and the scalar all-reduce.
 
     python -m bench.comm_volume          # writes bench/results/comm_volume.json
     python -m bench.comm_volume --smoke  # W=8 only, GPT-345M only
@@ -39,7 +39,6 @@ import scape
 from bench.engine.nullcomm import NullCommunicator
 from bench.projection import MODELS, bytes_per_step
 from scape.buffers import Bucket
-from scape.kernels.pack import offset_bits
 from scape.rules import RULES, block_budget
 
 SCHEMA = "scape.comm_volume/1"
@@ -117,7 +116,7 @@ def layout(n: int, world: int, sparsity: float) -> tuple[int, int | None]:
 def calibrate(world: int, sparsity: float, wire: torch.dtype = WIRE_DTYPE,
               param_wire: torch.dtype | None = None) -> dict[str, Any]:
     """Per-coordinate and fixed bytes from proxies of 2 and 6 blocks per rank, checked on one
-    of 10 to within what byte padding leaves (each rank's packed offsets up to 1 byte, each
+    of 10 to within what byte padding leaves (each rank's mask rows up to 1 byte, each
     segment of the 8-bit wire up to 3: ``4 W`` bytes per collective). The three have the
     same padding (block counts alike mod 4), so the line through two is exact. The dense row
     is dense AdamS's, in ``WIRE_DTYPE`` whatever the wires are."""
@@ -154,8 +153,7 @@ def report(models: list[str], worlds: list[int], wire: torch.dtype = WIRE_DTYPE,
                 b_g = (wire if sp else WIRE_DTYPE).itemsize  # dense AdamS: WIRE_DTYPE
                 b_p = 1 if param_wire == torch.int8 and sp else 2
                 formula = bytes_per_step(n, world, sp, grad_bytes=b_g, param_bytes=b_p,
-                                         block_size=BLOCK_SIZE,
-                                         offset_bits=offset_bits(BLOCK_SIZE))
+                                         block_size=BLOCK_SIZE, offset_bits=None)
                 rows.append({"model": name, "n_params": n, "world": world, "sparsity": sp,
                              "n_pad": n_pad, "k": k, "bytes_by_op": by_op,
                              "bytes_per_step": total, "design_formula": formula,

@@ -11,7 +11,7 @@ from typing import Any
 from bench.engine.local_sgd_opts import steady_bytes
 from bench.engine.report import fmt, markdown_table
 from scape.rules import block_budget
-from scape.wire import fused_segment_bytes, offsets_bytes, segment_bytes
+from scape.wire import fused_segment_bytes, mask_bytes, segment_bytes
 
 SCHEMA = "scape.compare/2"
 HEADLINE = "scape-0.99"
@@ -50,8 +50,8 @@ def formula_bytes(run: dict[str, Any], world: int) -> int | None:
     mask rows, ``run["mask_rows"]``, or ``(N_pad / B) * k_b``).
 
     DDP all-reduce ``2 * 4 * N``; dense sharded AdamS and DistributedAdamW ``N_pad * (4 + 4)
-    + 8``; a SCAPE sparse step ``K * (4 + 4)``, each rank's offsets packed to ``log2(B)`` bits
-    (:func:`scape.wire.offsets_bytes`) and each rank's count and sum of squares (``W * 8``,
+    + 8``; a SCAPE sparse step ``K * (4 + 4)``, each rank's next mask (Elias-Fano rows,
+    :func:`scape.wire.mask_bytes`) and each rank's count and sum of squares (``W * 8``,
     riding in the step's two collectives); with the 8-bit wires (``grad_comm_dtype`` or
     ``param_comm_dtype`` ``int8``) that leg's values are every owner's segment of codes and
     row scales instead (:func:`scape.wire.fused_segment_bytes`, the gradients' with the
@@ -78,7 +78,7 @@ def formula_bytes(run: dict[str, Any], world: int) -> int | None:
     if opt == "scape":
         k_b = block_budget(cfg["sparsity"], block, explore)[0]
         # each bucket's rows per rank and k (the embeddings' bucket has its own k; a record
-        # without them: one bucket), every rank's offsets packed apart to log2(B) bits
+        # without them: one bucket), every rank's mask rows coded apart
         rows = [(int(n), int(k)) for n, k in
                 run.get("mask_rows") or [[n_pad // block // world, k_b]]]
         coords = world * sum(n * k for n, k in rows)
@@ -87,7 +87,7 @@ def formula_bytes(run: dict[str, Any], world: int) -> int | None:
         values = (world * sum(segment_bytes(n, k) for n, k in rows)
                   if "param_comm_dtype" in wire8 else coords * 4)
         return grads + values + world * 4 \
-            + sum(world * offsets_bytes(n * k, block) for n, k in rows)
+            + sum(world * mask_bytes(n, k, block) for n, k in rows)
     return world * mask_coords(n_pad, cfg["sparsity"], block, explore) * 6
 
 

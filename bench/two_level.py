@@ -57,7 +57,7 @@ from bench.engine import netns_nodes
 from bench.engine.netns import available
 from bench.engine.run_config import RunConfig
 from bench.engine.runner import run
-from scape.wire import offsets_bytes
+from scape.wire import mask_bytes
 
 SCHEMA = "scape.two_level/1"
 NODES, PER_NODE = 2, 2
@@ -87,7 +87,8 @@ def formula(row: str, n_pad: int, block: int = 4096, explore: float = 0.1
     """Payload bytes per steady step per rank by level (fp32 wire, docs/design.md §1)."""
     k = mask_coords(n_pad, 0.99, block, explore)
     world = NODES * PER_NODE
-    per_rank = offsets_bytes(k // world, block)  # one rank's packed offsets of the next mask
+    k_b = k // (n_pad // block)  # a mask row's offsets
+    per_rank = mask_bytes(k // world // k_b, k_b, block)  # one rank's next mask on the wire
     if row == "two_level":
         return {"inter": k // PER_NODE * ENTRY_BYTES + NODES * per_rank + 8,
                 "intra": n_pad * 4 + k * 4 + world * per_rank + 8}
@@ -96,7 +97,7 @@ def formula(row: str, n_pad: int, block: int = 4096, explore: float = 0.1
     if row == "flat":  # the scalars ride: each rank's count (fp32) and sum of squares
         return {"flat": k * ENTRY_BYTES + world * per_rank + world * (4 + 4)}
     if row == "fsdp2_scape":  # n_pad: the rank's local shard; SCAPE over the NODES replicas
-        per_replica = offsets_bytes(k // NODES, block)
+        per_replica = mask_bytes(k // NODES // k_b, k_b, block)
         return {"flat": k * ENTRY_BYTES + NODES * per_replica + 8}
     return None
 

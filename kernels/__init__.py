@@ -9,6 +9,7 @@ package is imported (unset: ``auto``).
 
 from ._checks import BACKENDS, backend, get_backend, set_backend
 from .catchup import catchup_agree_
+from .mask_code import mask_nbytes, pack_mask, unpack_mask
 from .moments import adams_dense_, adams_sparse_, adamw_dense_
 from .pack import (
     absmax_scales,
@@ -51,4 +52,7 @@ __all__ = [
     "take_pack8_",
     "pack_offsets",
     "unpack_offsets",
+    "pack_mask",
+    "unpack_mask",
+    "mask_nbytes",
 ]

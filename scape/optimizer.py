@@ -48,11 +48,11 @@ from scape.kernels import (
     adams_dense_,
     blockwise_topk,
     gather,
-    pack_offsets,
+    pack_mask,
     scatter_,
     take_,
     take_pack8_,
-    unpack_offsets,
+    unpack_mask,
 )
 from scape.masks import MaskState, fit_mask, on_device
 from scape.optim_hooks import load_state_dict_hooks, state_dict_hooks
@@ -517,8 +517,8 @@ class SCAPE(ShardedOptimizer):
         b, mask_state = self.buckets[i], self.masks[i]
         assert mask_state is not None
         full = torch.empty(mask_state.n_blocks, mask_state.k, dtype=torch.int16, device=b.device)
-        mask_state.work = FinishedWork(work, lambda: unpack_offsets(
-            packed.contiguous().view(-1), idx.numel(), self.block_size, out=full.view(-1)))
+        mask_state.work = FinishedWork(work, lambda: unpack_mask(
+            packed.contiguous().view(-1), idx.shape[0], self.block_size, out=full))
         mask_state.next, mask_state.local = full, idx
 
     def _sparse_update(self, i: int, g: torch.Tensor, hp: dict) -> _Pending:
@@ -526,7 +526,7 @@ class SCAPE(ShardedOptimizer):
         b = self.buckets[i]
         mask = self.masks[i].next  # type: ignore[union-attr]
         part, apply, idx = self._sparse_values(i, g, hp)
-        parts = [part] if idx is None else [part, pack_offsets(idx.view(-1), self.block_size)]
+        parts = [part] if idx is None else [part, pack_mask(idx, self.block_size)]
         with phase("scape/all_gather", b.device):
             work, views, send = gather_parts(self.comm, parts)
         if idx is not None:
@@ -545,7 +545,7 @@ class SCAPE(ShardedOptimizer):
             part, apply, idx = self._sparse_values(i, g, self._hp(b))
             parts.append(part)
             if idx is not None:
-                parts.append(pack_offsets(idx.view(-1), self.block_size))
+                parts.append(pack_mask(idx, self.block_size))
             done.append((i, mask, apply, idx))
         sumsq = [s for s in self._ride_sumsq if s is not None]
         parts.append(torch.cat(sumsq).sum().reshape(1))
@@ -581,9 +581,9 @@ class SCAPE(ShardedOptimizer):
             if mask_state is None or not dense_flags[i]:
                 continue
             idx = self._next_mask(i)
-            with phase("scape/mask_sync", b.device):  # log2(B) bits per offset on the wire
+            with phase("scape/mask_sync", b.device):  # Elias-Fano rows on the wire
                 work, views, _ = gather_parts(self.comm,
-                                              [pack_offsets(idx.view(-1), self.block_size)])
+                                              [pack_mask(idx, self.block_size)])
             self._share_next(i, idx, work, views[0])
 
     def _next_mask(self, i: int) -> torch.Tensor:

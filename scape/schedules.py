@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from scape import config
-from scape.wire import fused_segment_bytes, offsets_bytes, segment_bytes
+from scape.wire import fused_segment_bytes, mask_bytes, segment_bytes
 
 SCAPE = Any
 """What the functions here take: a :class:`scape.SCAPE` (``scape.optimizer`` imports this
@@ -186,9 +186,9 @@ def _run_bytes(opt: SCAPE, total_steps: int, start: float | str | None,
                     sent += b.n_pad // bsz * k * b_g
             if opt.masks[i] is not None and t >= w and not next_dense:
                 k = opt.mask_budget(b, sparsity(b.group, t))[0]
-                n_next = b.n_pad // bsz * k  # the next mask's offsets: int16 in the reference
-                sent += n_next * 2 if reference_wire \
-                    else b.world * offsets_bytes(n_next // b.world, bsz)
+                n_next = b.n_pad // bsz  # the next mask's rows: int16 offsets in the reference
+                sent += n_next * k * 2 if reference_wire \
+                    else b.world * mask_bytes(n_next // b.world, k, bsz)
         if rides:  # the count in every owner's gradient segment, the sum of squares with the
             world = opt.comm.world_size  # values
             sent += world * fused_segment_bytes(rows, 1) if wire8 else world * b_g

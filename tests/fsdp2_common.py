@@ -9,7 +9,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from scape.wire import offsets_bytes
+from scape.wire import mask_bytes
 
 D_IN, D_HID, D_OUT = 24, 40, 7  # dims not divisible by the shard count: uneven shards
 
@@ -80,13 +80,13 @@ def full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def sparse_step_bytes(opt: Any, clip: bool) -> int:
     """docs/design.md's bytes of a sparse step over ``comm``, from the buckets' (local)
-    sizes: ``K * (b_g + b_p)`` per bucket and every rank's packed offsets of the next mask
-    (``log2(B)`` bits each), plus the step's scalar all-reduce."""
+    sizes: ``K * (b_g + b_p)`` per bucket and every rank's next mask on the wire
+    (:func:`scape.wire.mask_bytes`), plus the step's scalar all-reduce."""
     total = 4 * (5 if clip else 2)
     for b in opt.buckets:
         k = max(1, round((1 - opt.param_groups[b.group]["sparsity"]) * opt.block_size))
         total += (b.n_pad // opt.block_size) * k * (4 + b.param_flat.element_size())
-        total += b.world * offsets_bytes(b.shard_size // opt.block_size * k, opt.block_size)
+        total += b.world * mask_bytes(b.shard_size // opt.block_size, k, opt.block_size)
     return total
 
 

@@ -260,10 +260,11 @@ def test_compare_tables_targets_and_headline():
     ("adams", 0.0, 8 * 81_920 + 8),
     ("dist_adamw", 0.0, 8 * 81_920 + 8),
     # 20 blocks of 4096; k_b = round_half_up(0.01 * 4096) = 41; 0.9: 410; 8 bytes of values
-    # per entry, and each of the 4 ranks' 5 * k_b offsets at 12 bits (205 -> 308 bytes,
-    # 2050 -> 3075 bytes), and each rank's count and sum of squares riding (4 * 8)
-    ("scape", 0.99, 20 * 41 * 8 + 4 * 308 + 4 * 8),
-    ("scape", 0.9, 20 * 410 * 8 + 4 * 3075 + 4 * 8),
+    # per entry, and each of the 4 ranks' 5 mask rows in Elias-Fano code (k_b = 41: 6 low
+    # bits each and 41 + 63 bitmap bits, 350 bits -> 44 bytes a row; 410: 3 low bits and
+    # 410 + 511, 2151 bits -> 269 bytes), and each rank's count and sum of squares (4 * 8)
+    ("scape", 0.99, 20 * 41 * 8 + 4 * 5 * 44 + 4 * 8),
+    ("scape", 0.9, 20 * 410 * 8 + 4 * 5 * 269 + 4 * 8),
     ("topk", 0.99, 4 * 20 * 41 * 6),
 ])
 def test_formula_bytes(opt, sparsity, expected):

@@ -60,7 +60,7 @@ def test_formula_levels():
     k = (n_pad // 4096) * block_budget(0.99, 4096, 0.1)[0]
     two, flat = formula("two_level", n_pad), formula("flat", n_pad)
     assert two is not None and flat is not None
-    offsets = k // 4 * 12 // 8  # one rank's packed offsets (of the 4 ranks; 12 bits each)
+    offsets = n_pad // 4096 // 4 * 44  # one rank's 10 mask rows, 44 bytes each (Elias-Fano)
     # across nodes a rank sends its slice's share: 1/G of a flat rank's, up to the scalars
     # (flat: the 4 ranks' counts and sums of squares ride; two levels: the all-reduce)
     assert (two["inter"] - 8) * PER_NODE == flat["flat"] - 4 * 8 == k * 8 + 4 * offsets

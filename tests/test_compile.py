@@ -70,6 +70,14 @@ def _specs(dt: str) -> list[tuple[str, object, dict, dict, int]]:
                       {"p_packed": "*u8", "p_out": "*i16", "n_seg": "i32", "seg_bytes": "i32",
                        "n": "i32", "BITS": "constexpr", "TILE": "constexpr"},
                       {"BITS": bits, "TILE": pack.OFFSET_TILE}, 4))
+    from scape.kernels import mask_code
+    for k in (41, 410, 2048):  # block 4096 at sparsity 0.99, 0.9, 0.5
+        low = mask_code.ef_low_bits(k, 4096)
+        chunk = min(mask_code.MAX_CHUNK, 1 << (k + (4095 >> low) - 1).bit_length())
+        specs.append((f"unpack_mask k={k}", mask_code._unpack_rows_kernel,
+                      {"p_packed": "*u8", "p_out": "*i16", "k": "i32", "low_bits": "i32",
+                       "row_bytes": "i32", "high_bits": "i32", "CHUNK": "constexpr"},
+                      {"CHUNK": chunk}, 4))
     f32s = {n: "fp32" for n in ("lr", "beta1", "beta2", "eps")}
     dense = {"TILE": moments.DENSE_TILE, "HAS_OUT": True}
     sparse_sig = {"p_p": "*fp32", "p_m": "*fp32", "p_age": "*i32", "p_g": f"*{dt}",

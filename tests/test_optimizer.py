@@ -17,7 +17,7 @@ from dist import run_ranks
 
 import scape
 from scape.rules import block_budget
-from scape.wire import offsets_bytes, segment_bytes
+from scape.wire import mask_bytes, segment_bytes
 
 SHAPES = [(37, 19), (300,), (5, 7, 11)]  # sizes that need padding
 
@@ -210,11 +210,11 @@ def _sparse_body(rank, world, names, steps):
                 n_local = b.shard_size // block
                 # two collectives: the gradient's, whose every owner segment also carries the
                 # sender's non-finite count, and one all-gather of each owner's values, next
-                # mask (8 bits an offset at B=256) and sum of squares
+                # mask (Elias-Fano rows, or packed offsets where smaller) and sum of squares
                 values = n_local * k * bp  # or every owner's 8-bit segment
                 if opt.param_comm_dtype == torch.int8:
                     values = segment_bytes(n_local, k)
-                offsets = offsets_bytes(n_local * k_next, block)
+                offsets = mask_bytes(n_local, k_next, block)
                 if opt.masks[0].next is None:  # next step dense: no mask rides along
                     offsets = 0
                 expect = {"reduce_scatter": (K + world) * 4,
