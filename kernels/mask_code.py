@@ -102,41 +102,45 @@ def _check_shape(n_rows: object, k: object, block_size: int) -> None:
 
 
 def pack_mask_ref(idx: torch.Tensor, block_size: int, out: torch.Tensor) -> torch.Tensor:
-    """Torch implementation of :func:`pack_mask`'s Elias-Fano rows."""
+    """Torch implementation of :func:`pack_mask`'s Elias-Fano rows (a byte per bit of the rows
+    in between: ``n * row_bytes * 8`` bytes)."""
     n, k = idx.shape
     low_bits, row_bytes = ef_low_bits(k, block_size), ef_row_bytes(k, block_size)
-    x, dev = idx.to(torch.int64), idx.device
+    x, dev = idx.to(torch.int32), idx.device
     bits = torch.zeros(n, row_bytes * 8, dtype=torch.uint8, device=dev)
     if low_bits:
-        shifts = torch.arange(low_bits, device=dev)
+        shifts = torch.arange(low_bits, dtype=torch.int32, device=dev)
         low = (x & ((1 << low_bits) - 1)).unsqueeze(2) >> shifts & 1
-        bits[:, :k * low_bits] = low.reshape(n, k * low_bits).to(torch.uint8)
-    place = k * low_bits + (x >> low_bits) + torch.arange(k, device=dev)
+        bits[:, :k * low_bits] = low.view(n, k * low_bits)
+    place = (k * low_bits + (x >> low_bits)).to(torch.int64) \
+        + torch.arange(k, dtype=torch.int64, device=dev)
     bits.scatter_(1, place, 1)
-    weights = 1 << torch.arange(8, device=dev)
-    out.view(n, row_bytes).copy_((bits.view(n, row_bytes, 8).to(torch.int64) * weights).sum(2))
+    weights = torch.arange(8, dtype=torch.uint8, device=dev)
+    out.view(n, row_bytes).copy_((bits.view(n, row_bytes, 8) << weights).sum(2, dtype=torch.uint8))
     return out
 
 
 def unpack_mask_ref(packed: torch.Tensor, k: int, block_size: int,
                     out: torch.Tensor) -> torch.Tensor:
-    """Torch implementation of :func:`unpack_mask`'s Elias-Fano rows (``out`` ``[rows, k]``)."""
+    """Torch implementation of :func:`unpack_mask`'s Elias-Fano rows (``out`` ``[rows, k]``);
+    a row without exactly ``k`` set bits raises ``ValueError``."""
     rows = out.shape[0]
     low_bits, row_bytes = ef_low_bits(k, block_size), ef_row_bytes(k, block_size)
     high_bits = k + ((block_size - 1) >> low_bits)
     dev = packed.device
-    raw = packed.view(rows, row_bytes).to(torch.int64)
-    bits = (raw.unsqueeze(2) >> torch.arange(8, device=dev) & 1).view(rows, row_bytes * 8)
-    high = bits[:, k * low_bits:k * low_bits + high_bits]
-    i = high.cumsum(1) - 1
-    q = torch.arange(high_bits, device=dev)
-    slot = torch.where(high == 1, i, k)  # a clear bit writes to a spare column
-    got = torch.zeros(rows, k + 1, dtype=torch.int64, device=dev)
-    got.scatter_(1, slot, torch.where(high == 1, q - i, 0))
-    value = got[:, :k] << low_bits
+    shifts = torch.arange(8, dtype=torch.uint8, device=dev)
+    bits = (packed.view(rows, row_bytes).unsqueeze(2) >> shifts & 1).view(rows, row_bytes * 8)
+    high = bits[:, k * low_bits:k * low_bits + high_bits].bool()
+    i = high.cumsum(1, dtype=torch.int32) - 1  # each set bit's offset index
+    q = torch.arange(high_bits, dtype=torch.int32, device=dev)
+    part = torch.masked_select(q - i, high)  # the high parts, row by row
+    if part.numel() != rows * k:
+        raise ValueError(f"packed does not hold {rows} Elias-Fano rows of {k} offsets")
+    value = part.view(rows, k) << low_bits
     if low_bits:
-        shifts = torch.arange(low_bits, device=dev)
-        value |= (bits[:, :k * low_bits].view(rows, k, low_bits) << shifts).sum(2)
+        lows = torch.arange(low_bits, dtype=torch.int32, device=dev)
+        value |= (bits[:, :k * low_bits].view(rows, k, low_bits).to(torch.int32) << lows).sum(
+            2, dtype=torch.int32)
     out.copy_(value)
     return out
 

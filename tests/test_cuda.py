@@ -392,6 +392,21 @@ def test_take_pack8_matches_cpu_bitwise(n_blocks, block, k):
     assert torch.equal(_cpu(buf), want_buf), "the residuals differ"
 
 
+@pytest.mark.parametrize("n_rows,block,k", [(4096, 4096, 41), (512, 4096, 410), (64, 4096, 2048),
+                                            (8, 32768, 328)])
+def test_mask_rows_round_trip_and_match_cpu(n_rows, block, k):
+    # the next mask's wire: Elias-Fano rows decoded by the kernel, bit for bit the torch twin's
+    gen = seeded("cuda-mask", n_rows, block, k)
+    idx = torch.stack([torch.randperm(block, generator=gen)[:k].sort().values
+                       for _ in range(n_rows)]).to(torch.int16)
+    packed = kernels.pack_mask(idx, block)  # CPU: the torch encoder
+    got = kernels.pack_mask(idx.to(DEV), block)
+    assert torch.equal(_cpu(got), packed)
+    out = torch.full((2 * n_rows, k), -1, dtype=torch.int16, device=DEV)
+    kernels.unpack_mask(torch.cat([got, got]), n_rows, block, out=out)
+    assert torch.equal(_cpu(out), torch.cat([idx, idx]))
+
+
 # --------------------------------------------------------------------------- optimizer
 def _mlp(device: str) -> torch.nn.Module:
     torch.manual_seed(0)

@@ -9,6 +9,7 @@ row; validation; and training, which must not change by a bit when the mask trav
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import zlib
 
@@ -179,3 +180,15 @@ def test_training_is_bit_for_bit_that_of_the_packed_offsets():
         # (on the start's ramp from 0.9 at B=1024: k of 102 and down to 10)
         assert all(c < p for c, p in zip(coded_bytes, packed_bytes)), (coded_bytes, packed_bytes)
         assert shapes, "the run must have sparse buckets"
+
+
+def test_mask_cost_smoke(capsys):
+    from bench.research import mask_cost
+
+    assert mask_cost.main(["--quick"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(r["rows"], r["k"]) for r in rows] == [(52, 41), (52, 410)]
+    for r in rows:  # the bytes are the formula's
+        assert r["bytes_elias_fano"] == kernels.mask_nbytes(r["rows"], r["k"], 4096)
+        assert r["bytes_elias_fano"] < r["bytes_packed"]
+        assert all(r[key] > 0 for key in r if key.endswith("_ms"))
