@@ -21,8 +21,11 @@ Decoding reads every set bit of a row's bitmap: its rank among them (a prefix su
 offset's index ``i``, its position less ``i`` the high part. ``_unpack_rows_kernel`` has one
 program per row and walks the bitmap in chunks of ``CHUNK`` bits, carrying the count; it
 reads the row's bytes (each bitmap byte up to 8 times, from cache) and writes ``2 k``.
-Encoding runs on the owner's own rows only, in a few vectorised torch ops (its cost beside
-the take is in docs/kernels.md).
+Encoding (the owner's own rows): ``_pack_rows_kernel`` has one program per row and makes its
+bytes ``ENCODE_TILE`` at a time, each bit from the offsets: a low bit from one load, a bitmap
+bit ``p`` from a binary search for the first ``i`` with ``(x_i >> L) + i >= p``
+(``floor(log2(k)) + 2`` loads, from cache); it reads ``2 k`` bytes and writes the row's. On
+CPU tensors both run as torch ops (a byte per bit of the rows in between).
 """
 
 from __future__ import annotations
@@ -35,6 +38,42 @@ from .pack import offset_bits, pack_offsets, packed_nbytes, unpack_offsets
 
 MAX_CHUNK = 1024
 """The most bitmap bits ``_unpack_rows_kernel`` reads at once (fewer for a shorter bitmap)."""
+ENCODE_TILE = 128
+"""The most row bytes ``_pack_rows_kernel`` makes at once (fewer for a shorter row)."""
+
+
+@triton.jit
+def _pack_rows_kernel(p_idx, p_out, k, low_bits, row_bytes, SEARCH: tl.constexpr,
+                      BYTE_TILE: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    src = p_idx + row * k
+    j = tl.arange(0, 8)[None, :]
+    low_end = k * low_bits
+    for start in range(0, row_bytes, BYTE_TILE):
+        b = start + tl.arange(0, BYTE_TILE)
+        t = b[:, None] * 8 + j  # bits of the row, a byte to a line
+        in_row = b[:, None] < row_bytes
+        is_low = in_row & (t < low_end)  # bit t % L of offset t // L
+        e = t // tl.maximum(low_bits, 1)
+        x = tl.load(src + e, mask=is_low, other=0).to(tl.int32)
+        low_bit = (x >> (t - e * low_bits)) & 1
+        # the bitmap: bit p is set where p = (x_i >> L) + i for an i, which ascends with i,
+        # so the first i with (x_i >> L) + i >= p decides it (a binary search)
+        p = t - low_end
+        is_high = in_row & (t >= low_end)
+        lo = tl.zeros([BYTE_TILE, 8], dtype=tl.int32)
+        hi = lo + k
+        for _ in range(SEARCH):
+            mid = (lo + hi) // 2
+            xm = tl.load(src + mid, mask=is_high & (mid < k), other=0).to(tl.int32)
+            below = (mid < k) & ((xm >> low_bits) + mid < p)
+            lo = tl.where(below, mid + 1, lo)
+            hi = tl.where(below, hi, mid)
+        xi = tl.load(src + lo, mask=is_high & (lo < k), other=0).to(tl.int32)
+        high_bit = ((lo < k) & ((xi >> low_bits) + lo == p)).to(tl.int32)
+        bit = tl.where(is_low, low_bit, tl.where(is_high, high_bit, 0))
+        byte = tl.sum(bit << j, axis=1)
+        tl.store(p_out + row * row_bytes + b, byte.to(tl.uint8), mask=b < row_bytes)
 
 
 @triton.jit
@@ -163,6 +202,13 @@ def pack_mask(idx: torch.Tensor, block_size: int, *,
     check_same_device(idx=idx, out=out)
     if not uses_elias_fano(n, k, block_size):
         return pack_offsets(idx.contiguous().view(-1), block_size, out=out)
+    if use_triton(idx):
+        row_bytes = ef_row_bytes(k, block_size)
+        _pack_rows_kernel[(n,)](idx.contiguous(), out, k, ef_low_bits(k, block_size), row_bytes,
+                                SEARCH=k.bit_length(),
+                                BYTE_TILE=min(ENCODE_TILE, triton.next_power_of_2(row_bytes)),
+                                num_warps=4)
+        return out
     return pack_mask_ref(idx, block_size, out)
 
 

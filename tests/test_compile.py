@@ -78,6 +78,13 @@ def _specs(dt: str) -> list[tuple[str, object, dict, dict, int]]:
                       {"p_packed": "*u8", "p_out": "*i16", "k": "i32", "low_bits": "i32",
                        "row_bytes": "i32", "high_bits": "i32", "CHUNK": "constexpr"},
                       {"CHUNK": chunk}, 4))
+        row_bytes = mask_code.ef_row_bytes(k, 4096)
+        specs.append((f"pack_mask k={k}", mask_code._pack_rows_kernel,
+                      {"p_idx": "*i16", "p_out": "*u8", "k": "i32", "low_bits": "i32",
+                       "row_bytes": "i32", "SEARCH": "constexpr", "BYTE_TILE": "constexpr"},
+                      {"SEARCH": k.bit_length(),
+                       "BYTE_TILE": min(mask_code.ENCODE_TILE, 1 << (row_bytes - 1).bit_length())},
+                      4))
     f32s = {n: "fp32" for n in ("lr", "beta1", "beta2", "eps")}
     dense = {"TILE": moments.DENSE_TILE, "HAS_OUT": True}
     sparse_sig = {"p_p": "*fp32", "p_m": "*fp32", "p_age": "*i32", "p_g": f"*{dt}",
