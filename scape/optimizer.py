@@ -9,7 +9,7 @@ One sparse step t (docs/design.md, DESIGN §1; the mask ``M_t`` is already on ev
     update      rule(shard, g, M_t[own rows])        -> new values at M_t (model dtype)
     mask        M_{t+1} = per-block top-|score| (+ oldest by age) of the own shard
                 (score: the rule's; the first moment ``m`` in DESIGN §1)
-    all-gather  every bucket's new values, M_{t+1} (log2(B) bits each) and |g|^2, in ONE
+    all-gather  every bucket's new values, M_{t+1} (Elias-Fano rows) and |g|^2, in ONE
                 (async)                              -> scatter into every model; the mask is
                                                         unpacked at step t+1's take
 
@@ -17,8 +17,9 @@ With clipping (its coefficient needs ``|g|`` before the update), two levels, a D
 a dense bucket, each bucket has its own collectives and one scalar all-reduce of
 ``[|g|^2, non-finite count]`` decides clipping and the skip.
 
-Bytes per rank and sparse step: ``K * (b_g + b_p + log2(B) / 8) + W * (b_g + 4)`` (each
-rank's offsets rounded up to a byte; ``+ 8``, the all-reduce, instead of ``W * (b_g + 4)``
+Bytes per rank and sparse step: ``K * (b_g + b_p + o) + W * (b_g + 4)`` (``o`` the mask's
+bytes an offset, :func:`scape.wire.mask_bytes`: 1.07 at sparsity 0.99 and ``B = 4096``; ``+ 8``,
+the all-reduce, instead of ``W * (b_g + 4)``
 where the scalars do not ride), with ``K = W * (S / B) * k_b``,
 ``k_b = max(1, round(density * B))``; :mod:`scape.wire` for the 8-bit wires.
 
