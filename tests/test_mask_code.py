@@ -187,7 +187,7 @@ def test_mask_cost_smoke(capsys):
 
     assert mask_cost.main(["--quick"]) == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-    assert [(r["rows"], r["k"]) for r in rows] == [(52, 41), (52, 410)]
+    assert [(r["rows"], r["k"], r["device"]) for r in rows] == [(52, 41, "cpu"), (52, 410, "cpu")]
     for r in rows:  # the bytes are the formula's
         assert r["bytes_elias_fano"] == kernels.mask_nbytes(r["rows"], r["k"], 4096)
         assert r["bytes_elias_fano"] < r["bytes_packed"]
