@@ -176,8 +176,12 @@ def mask_size(n: int, world: int, sparsity: float, block_size: int = 4096) -> in
     if n < 1 or world < 1 or block_size < 1:
         raise ValueError(f"need n, world, block_size >= 1, got {n}, {world}, {block_size}")
     n_pad = math.ceil(n / (world * block_size)) * world * block_size
-    k_b = max(1, round((1.0 - sparsity) * block_size))
-    return n_pad // block_size * k_b
+    return n_pad // block_size * _row_size(sparsity, block_size)
+
+
+def _row_size(sparsity: float, block_size: int) -> int:
+    """``k_b``: the coordinates one block's mask row takes."""
+    return max(1, round((1.0 - sparsity) * block_size))
 
 
 def bytes_per_step(n: int, world: int, sparsity: float, grad_bytes: int = 2,
@@ -195,7 +199,7 @@ def bytes_per_step(n: int, world: int, sparsity: float, grad_bytes: int = 2,
     k = mask_size(n, world, sparsity, block_size)
     if offset_bits is None:
         from scape.wire import mask_bytes  # torch only for this count
-        k_b = max(1, round((1.0 - sparsity) * block_size))
+        k_b = _row_size(sparsity, block_size)
         return k * (grad_bytes + param_bytes) \
             + world * mask_bytes(k // k_b // world, k_b, block_size)
     return k * (grad_bytes + param_bytes) + -(-(k * offset_bits) // 8)

@@ -1,6 +1,6 @@
 """The compact parts of a sparse step's wire: the 8-bit gradient wire
 (``grad_comm_dtype=torch.int8``), the 8-bit parameter wire (``param_comm_dtype=torch.int8``)
-and the packed mask offsets (every wire).
+and the mask's Elias-Fano rows (every wire).
 
 **The mask.** The next mask travels as each mask row's ascending block-local offsets in
 Elias-Fano code (:func:`scape.kernels.pack_mask`): ``ceil((k L + k + ((B - 1) >> L)) / 8)``
