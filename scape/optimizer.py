@@ -59,6 +59,7 @@ from scape.masks import MaskState, fit_mask, on_device
 from scape.optim_hooks import load_state_dict_hooks, state_dict_hooks
 from scape.profiling import phase
 from scape.rules import ShardState, block_budget
+from scape.rules.builtin import BUILTIN_RULES
 from scape.schedules import ramp_start, sparsity_ramp, start_ramp_steps
 from scape.sharded import ShardedOptimizer, _Pending, positional_error
 from scape.two_level import NodeLevel
@@ -587,6 +588,12 @@ class SCAPE(ShardedOptimizer):
                                               [pack_mask(idx, self.block_size)])
             self._share_next(i, idx, work, views[0])
 
+    def _rule_sorts(self) -> bool:
+        """Whether the rule's own selection makes each mask row ascending, as the wire's code
+        needs (:func:`scape.kernels.pack_mask`): the built-in rules' kernels do; another
+        rule's ``select`` or ``observe_select`` is sorted after it."""
+        return any(self.rule is r for r in BUILTIN_RULES.values())
+
     def _next_mask(self, i: int) -> torch.Tensor:
         """Bucket ``i``'s next mask rows of this rank's shard (``[n_local, k]``, int16), at
         the budget of the group's sparsity now (DESIGN §1, step 4)."""
@@ -597,9 +604,13 @@ class SCAPE(ShardedOptimizer):
         with phase("scape/mask", b.device):
             if mask_state.made is not None:  # made before the take (observe_select)
                 idx, mask_state.made = mask_state.made, None
+                if not self._rule_sorts():
+                    idx = idx.sort(dim=1).values
             elif self.rule.select is not None:  # score and selection fused
                 idx = self.rule.select(s, self._hp(b), mask_state.k, mask_state.k_explore,
                                        self.block_size)
+                if not self._rule_sorts():  # the wire codes ascending rows (scape.kernels)
+                    idx = idx.sort(dim=1).values
             else:
                 if self.rule.score is None:
                     score = s.m

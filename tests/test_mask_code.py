@@ -182,6 +182,53 @@ def test_training_is_bit_for_bit_that_of_the_packed_offsets():
         assert shapes, "the run must have sparse buckets"
 
 
+def _own_selection(rank: int, world: int, steps: int) -> dict:
+    """Each step's parameter hash of runs of a rule with its own ``select``: the selection as
+    ``blockwise_topk`` makes it (rows ascending) and the same rows in descending order."""
+    import dataclasses
+
+    base = scape.rules.get("sqrt")
+
+    def select(flip: bool):
+        def fn(shard, hp, k, k_explore, block_size):
+            idx = kernels.blockwise_topk(base.score(shard), k, block_size,
+                                         age=shard.age if k_explore else None,
+                                         k_explore=k_explore)
+            return idx.flip(1) if flip else idx
+        return fn
+
+    trails: dict = {}
+    for name, flip in (("ascending", False), ("descending", True)):
+        scape.rules.register(f"own-{name}", dataclasses.replace(base, select=select(flip)),
+                             replace=True)
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 640), torch.nn.Linear(640, 96))
+        opt = scape.SCAPE(model.parameters(), lr=1e-3, sparsity=0.99, block_size=1024,
+                          update=f"own-{name}")
+        params = []
+        for t in range(steps):
+            x = torch.randn(8, 64, generator=_gen("own", t, rank))
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            opt.finish_param_sync()
+            flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+            params.append(hashlib.sha256(flat.numpy().tobytes()).hexdigest())
+        trails[name] = params
+    return trails
+
+
+def test_a_rules_own_selection_in_any_order_trains_as_ascending_rows():
+    """The wire codes ascending rows; a rule's ``select`` may return a row in any order, and
+    the run is bit for bit the one whose rows came ascending, on every rank."""
+    steps = 8
+    ranks = run_ranks(_own_selection, 2, steps, timeout=300)
+    for rank, trails in enumerate(ranks):
+        for t in range(steps):
+            assert trails["descending"][t] == trails["ascending"][t], (rank, t)
+            assert trails["ascending"][t] == ranks[0]["ascending"][t], "replicas differ"
+
+
 def test_mask_cost_smoke(capsys):
     from bench.research import mask_cost
 

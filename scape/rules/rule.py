@@ -48,7 +48,9 @@ class Rule:
     select: Callable[..., torch.Tensor] | None = None
     """Makes the next mask itself, ``select(shard, hp, k, k_explore, block_size)`` -> int16
     ``[n_blocks, k]`` offsets: the mask ``blockwise_topk`` would take from ``score``, with the
-    two fused (:func:`scape.rules.gain_select`). None: ``blockwise_topk`` of ``score``."""
+    two fused (:func:`scape.rules.gain_select`). None: ``blockwise_topk`` of ``score``. A row
+    may come in any order: the optimizer sorts a rule's own rows ascending, as the mask's wire
+    codes them (the built-in rules' kernels make them so)."""
     observe_select: Callable[..., torch.Tensor] | None = None
     """``observe``, the step's ages and ``select`` in one pass over the shard, before the
     take (:func:`scape.rules.observe_select_gain`): ``observe_select(shard, buf,
