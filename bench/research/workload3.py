@@ -15,8 +15,10 @@ dense AdamS at one length and reports, per optimizer:
 
 and draws the best-lr curves of every seed in one plot (``--plot``)::
 
-    python -m bench.research.workload3 --candidate "agree (the default after 969a225)" \\
-        --plot docs/figures/workload3_protocol.png
+    python -m bench.research.workload3 --plot docs/figures/workload3_default.png
+
+(the default's candidate; ``--candidate "agree (the default after 969a225)"`` and
+``docs/figures/workload3_protocol.png`` are the default before its start from 0.9).
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ from typing import Any
 RESULTS = Path(__file__).resolve().parents[1] / "results" / "workload3_headers_bpe.json"
 DENSE = "adams"
 """The candidate name of dense AdamS's runs."""
+DEFAULT = "agree, 0.99 from 0.9 (the default after b49b01f)"
+"""The candidate name of the library's default's runs."""
 
 
 def load(path: str | Path = RESULTS) -> list[dict[str, Any]]:
@@ -175,7 +179,7 @@ def plot(runs: list[dict[str, Any]], rep: dict[str, Any], candidate: str, path: 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--results", default=str(RESULTS))
-    ap.add_argument("--candidate", default="agree (the default after 969a225)")
+    ap.add_argument("--candidate", default=DEFAULT)
     ap.add_argument("--steps", type=int, default=2000)
     ap.add_argument("--plot", default=None, help="PNG path of the curves")
     args = ap.parse_args(argv)
