@@ -18,6 +18,8 @@ bench.lr_sweep ARGS`` runs a job with it.
 - :mod:`bench.research.rotate`: training in a transform domain (the ``-dct64`` rows).
 - :mod:`bench.research.drift`, :mod:`bench.research.follow`: the rank hooks of the ``-drift``
   and ``-follow1`` rows (``RunConfig.hooks``).
+- :mod:`bench.research.global_view`: a diagnostic rank hook whose owner observes the whole
+  batch's gradient, not its own share (what 1/W of the batch costs the masks).
 - :mod:`bench.research.workload3`: the third workload's protocol (best lr, two seeds, steps to
   reach dense AdamS's loss) and its plot, from ``bench/results/workload3_headers_bpe.json``.
 """
