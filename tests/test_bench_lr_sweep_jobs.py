@@ -60,6 +60,13 @@ def _tgkill(pid: int, sig: int) -> None:
     assert libc.syscall(234, pid, tids[0], sig) == 0  # SYS_tgkill on x86-64
 
 
+def _sigint_as_in_a_terminal() -> None:
+    """The sweep's SIGINT as a terminal's Ctrl-C finds it: a suite started in the background
+    (``cmd &``, ``nohup``) runs with SIGINT ignored, which its children would inherit, and
+    Python then installs no ``KeyboardInterrupt`` for it."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("sig, to_thread", [(signal.SIGTERM, False), (signal.SIGINT, False),
                                             (signal.SIGINT, True)])
@@ -71,7 +78,8 @@ def test_stopping_the_sweep_stops_every_run_it_started(tmp_path, sig, to_thread)
     with open(log, "wb") as f:
         proc = subprocess.Popen([sys.executable, "-m", "bench.lr_sweep", *PLAN, "--steps",
                                  "100000", "--jobs", "2", "--out", str(tmp_path / "x.json")],
-                                cwd=ROOT, env=ENV, stdout=f, stderr=subprocess.STDOUT)
+                                cwd=ROOT, env=ENV, stdout=f, stderr=subprocess.STDOUT,
+                                preexec_fn=_sigint_as_in_a_terminal)
     ranks: set[int] = set()
     try:
         deadline = time.monotonic() + 120
