@@ -602,15 +602,12 @@ class SCAPE(ShardedOptimizer):
         s = self.shards[i]
         self._set_budget(b, mask_state)
         with phase("scape/mask", b.device):
+            rules_own = mask_state.made is not None or self.rule.select is not None
             if mask_state.made is not None:  # made before the take (observe_select)
                 idx, mask_state.made = mask_state.made, None
-                if not self._rule_sorts():
-                    idx = idx.sort(dim=1).values
             elif self.rule.select is not None:  # score and selection fused
                 idx = self.rule.select(s, self._hp(b), mask_state.k, mask_state.k_explore,
                                        self.block_size)
-                if not self._rule_sorts():  # the wire codes ascending rows (scape.kernels)
-                    idx = idx.sort(dim=1).values
             else:
                 if self.rule.score is None:
                     score = s.m
@@ -622,6 +619,8 @@ class SCAPE(ShardedOptimizer):
                 idx = blockwise_topk(score, mask_state.k, self.block_size,
                                      age=s.age if mask_state.k_explore else None,
                                      k_explore=mask_state.k_explore)
+            if rules_own and not self._rule_sorts():  # the wire codes ascending rows
+                idx = idx.sort(dim=1).values
             age_blocks = s.age.view(mask_state.n_local, self.block_size)
             diag = self.diagnostics[i]
             diag["mask_overlap"] = (age_blocks.gather(1, idx.long()) == 0).float().mean()
