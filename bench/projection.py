@@ -180,8 +180,9 @@ def mask_size(n: int, world: int, sparsity: float, block_size: int = 4096) -> in
 
 
 def _row_size(sparsity: float, block_size: int) -> int:
-    """``k_b``: the coordinates one block's mask row takes."""
-    return max(1, round((1.0 - sparsity) * block_size))
+    """``k_b``: the coordinates one block's mask row takes, as ``scape.rules.block_budget``
+    counts them (halves rounded up, where Python's ``round`` goes to even), without torch."""
+    return max(1, math.floor((1.0 - sparsity) * block_size + 0.5))
 
 
 def bytes_per_step(n: int, world: int, sparsity: float, grad_bytes: int = 2,

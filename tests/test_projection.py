@@ -154,3 +154,18 @@ def test_json_schema(tmp_path):
         assert keys <= set(r)
         assert r["speedup"] == pytest.approx(r["dense_step_s"] / r["scape_step_s"])
         assert r["dense_tokens_per_s_per_gpu"] == pytest.approx(2048 / r["dense_step_s"])
+
+
+@pytest.mark.parametrize("block_size, half", [(1024, 2.5), (4096, 40.5), (256, 0.5)])
+def test_mask_size_takes_the_librarys_row_size_at_a_half(block_size, half):
+    """The projection counts a mask row as the optimizer does (``scape.rules.block_budget``,
+    halves rounded up), also where ``(1 - sparsity) * B`` is exactly ``x.5``, which
+    Python's ``round`` would send to the even side."""
+    from scape.rules import block_budget
+
+    sparsity = 1.0 - half / block_size
+    assert (1.0 - sparsity) * block_size == half  # exact in binary: a real half
+    world = 4
+    k_b = block_budget(sparsity, block_size, 0.0)[0]
+    assert k_b == int(half + 0.5)
+    assert pj.mask_size(world * block_size, world, sparsity, block_size) == world * k_b
