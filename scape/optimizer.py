@@ -63,9 +63,9 @@ from scape.rules.builtin import BUILTIN_RULES
 from scape.schedules import ramp_start, sparsity_ramp, start_ramp_steps
 from scape.sharded import ShardedOptimizer, _Pending, positional_error
 from scape.two_level import NodeLevel
-from scape.wire import ParamWire8, Wire8, as_dtype, gather_parts
+from scape.wire import INT4, PARAM_BITS, ParamWire, Wire8, as_dtype, gather_parts
 
-PARAM_WIRES = (None, torch.int8)
+PARAM_WIRES = (None, torch.int8, INT4)
 """The ``param_comm_dtype`` values :class:`SCAPE` takes (:mod:`scape.wire`)."""
 
 DIAG_FULL_EVERY = 10
@@ -100,8 +100,8 @@ class SCAPE(ShardedOptimizer):
         grad_comm_dtype: dtype of gradients on the wire (float32, bfloat16, float16): bfloat16
             halves the gradient bytes; ``torch.int8``: a sparse step sends 8-bit codes with one
             scale per mask row, the coding error kept in the residual (:mod:`scape.wire`).
-        param_comm_dtype: None (a sparse step sends new values in the model's dtype) or
-            ``torch.int8``: 8-bit updates every replica applies alike (:mod:`scape.wire`).
+        param_comm_dtype: None (a sparse step sends new values in the model's dtype),
+            ``torch.int8`` or ``torch.int4``: 8- or 4-bit updates all apply (:mod:`scape.wire`).
         comm: the data-parallel group: a ProcessGroup, a 1-D DeviceMesh or a
             :class:`scape.comm.Communicator` (default: the default process group).
     """
@@ -206,9 +206,10 @@ class SCAPE(ShardedOptimizer):
                              "HierarchicalCommunicator use float32, bfloat16 or float16")
         if self.param_comm_dtype not in PARAM_WIRES:
             raise ValueError(f"Invalid param_comm_dtype: {self.param_comm_dtype!r} (expected "
-                             "None, the model's values, or torch.int8, 8-bit updates)")
+                             "None, the model's values, or torch.int8 or torch.int4, 8- or "
+                             "4-bit updates)")
         if self.param_comm_dtype is not None and self._two_level:
-            raise ValueError("param_comm_dtype=torch.int8 is one level only: with a "
+            raise ValueError(f"param_comm_dtype={self.param_comm_dtype} is one level only: with a "
                              "HierarchicalCommunicator leave it None")
 
     def _validate_group(self, group: dict, index: int) -> None:
@@ -499,12 +500,13 @@ class SCAPE(ShardedOptimizer):
                                "its update did not take shard.age_at_mask (see Rule)")
         self._take_bufs[i] = None
         mask_state.current = mask
-        if self.param_comm_dtype == torch.int8:  # 8-bit updates of the model copy
-            wire8 = ParamWire8(b.world, mask_state.n_local, mask.shape[1], self.block_size)
-            part = wire8.code(self.shards[i].master, b.param_flat[b.shard], rows)
+        if self.param_comm_dtype is not None:  # 8- or 4-bit updates of the model copy
+            wire = ParamWire(b.world, mask_state.n_local, mask.shape[1], self.block_size,
+                             PARAM_BITS[self.param_comm_dtype])
+            part = wire.code(self.shards[i].master, b.param_flat[b.shard], rows)
 
             def apply(segs: torch.Tensor) -> None:
-                wire8.apply(b.param_flat, mask, segs)
+                wire.apply(b.param_flat, mask, segs)
         else:
             part = values
 

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from scape import config
-from scape.wire import fused_segment_bytes, mask_bytes, segment_bytes
+from scape.wire import PARAM_BITS, fused_segment_bytes, mask_bytes, segment_bytes
 
 SCAPE = Any
 """What the functions here take: a :class:`scape.SCAPE` (``scape.optimizer`` imports this
@@ -149,7 +149,8 @@ def _run_bytes(opt: SCAPE, total_steps: int, start: float | str | None,
     wire = torch.float32 if reference_wire else opt.grad_comm_dtype
     wire8 = wire == torch.int8  # scape.wire: codes and row scales
     b_g = 4 if wire8 else wire.itemsize  # a dense step's (and dense AdamS's)
-    param8 = not reference_wire and opt.param_comm_dtype == torch.int8  # 8-bit updates
+    param_bits = None if reference_wire or opt.param_comm_dtype is None \
+        else PARAM_BITS[opt.param_comm_dtype]  # 8- or 4-bit updates
     # a sparse step's scalars ride in its two collectives (scape.sharded): no all-reduce, the
     # count in every owner's gradient segment, the sum of squares with each owner's values
     ride = not reference_wire and opt.max_grad_norm is None and opt.shard_mesh is None \
@@ -176,7 +177,7 @@ def _run_bytes(opt: SCAPE, total_steps: int, start: float | str | None,
             else:  # the mask made at step t - 1
                 k = opt.mask_budget(b, sparsity(b.group, t - 1))[0]
                 n_local = b.n_pad // bsz // b.world
-                sent += b.world * segment_bytes(n_local, k) if param8 \
+                sent += b.world * segment_bytes(n_local, k, bits=param_bits) if param_bits \
                     else b.n_pad // bsz * k * b_p
                 if wire8 and rides:
                     rows.append((n_local, k))

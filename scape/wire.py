@@ -45,6 +45,8 @@ sends the values themselves and closes every gap.
 
 from __future__ import annotations
 
+import types
+
 import torch
 
 from scape.comm import Communicator
@@ -54,12 +56,13 @@ from scape.kernels import (
     gather,
     mask_nbytes,
     pack_values,
+    packed_nbytes,
     scatter_,
     unpack_values,
 )
 
-__all__ = ["ParamWire8", "Wire8", "fused_segment_bytes", "gather_parts", "mask_bytes",
-           "segment_bytes"]
+__all__ = ["INT4", "PARAM_BITS", "ParamWire", "ParamWire8", "Wire8", "fused_segment_bytes",
+           "gather_parts", "mask_bytes", "segment_bytes"]
 
 
 def as_dtype(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -67,16 +70,25 @@ def as_dtype(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return rows.clone(memory_format=torch.contiguous_format).view(dtype).view(-1)
 
 
-def segment_bytes(n_rows: int, k: int, scalars: int = 0) -> int:
+INT4: torch.dtype = torch.int4  # type: ignore[attr-defined]  # (the stubs omit sub-byte dtypes)
+"""``torch.int4``, the 4-bit parameter wire's ``param_comm_dtype``."""
+PARAM_BITS = types.MappingProxyType({torch.int8: 8, INT4: 4})
+"""The parameter wires' code widths by ``param_comm_dtype`` (module docstring)."""
+
+
+def segment_bytes(n_rows: int, k: int, scalars: int = 0, bits: int = 8) -> int:
     """Bytes of one rank's segment for one owner of ``n_rows`` mask rows of ``k`` entries
-    (and ``scalars`` fp32 values riding ahead of them)."""
-    return fused_segment_bytes([(n_rows, k)], scalars)
+    coded to ``bits`` bits (and ``scalars`` fp32 values riding ahead of them)."""
+    return fused_segment_bytes([(n_rows, k)], scalars, bits)
 
 
-def fused_segment_bytes(rows: list[tuple[int, int]], scalars: int = 0) -> int:
+def fused_segment_bytes(rows: list[tuple[int, int]], scalars: int = 0, bits: int = 8) -> int:
     """Bytes of one rank's segment for one owner holding several buckets' rows, ``(n_rows,
-    k)`` each, laid end to end (and ``scalars`` fp32 values ahead of them)."""
-    return -(-(4 * scalars + sum(4 * n + n * k for n, k in rows)) // 4) * 4
+    k)`` each, laid end to end, each bucket's codes ``bits`` wide and packed
+    (:func:`scape.kernels.packed_nbytes`), and ``scalars`` fp32 values ahead of them; padded
+    to a multiple of 4."""
+    body = sum(4 * n + packed_nbytes(n * k, bits) for n, k in rows)
+    return -(-(4 * scalars + body) // 4) * 4
 
 
 class Wire8:
@@ -143,14 +155,18 @@ class Wire8:
                                        lambda: self.unpack_mean(recv, gs, count))
 
 
-class ParamWire8:
-    """One bucket's 8-bit parameter wire on one sparse step (module docstring): :meth:`code`
-    makes the owner's segment of the all-gather, :meth:`apply` writes every rank's decoded
-    updates into the model copy once it has landed."""
+class ParamWire:
+    """One bucket's compact parameter wire on one sparse step (module docstring), ``bits``
+    (8 or 4, :data:`PARAM_BITS`) a coded update: :meth:`code` makes the owner's segment of
+    the all-gather, :meth:`apply` writes every rank's decoded updates into the model copy
+    once it has landed."""
 
-    def __init__(self, world: int, n_local: int, k: int, block_size: int) -> None:
+    def __init__(self, world: int, n_local: int, k: int, block_size: int,
+                 bits: int = 8) -> None:
         self.world, self.n_local, self.k, self.block_size = world, n_local, k, block_size
-        self.seg = segment_bytes(n_local, k)
+        self.bits = bits
+        self.codes = packed_nbytes(n_local * k, bits)
+        self.seg = segment_bytes(n_local, k, bits=bits)
 
     def code(self, master: torch.Tensor, model_shard: torch.Tensor,
              rows: torch.Tensor) -> torch.Tensor:
@@ -160,9 +176,9 @@ class ParamWire8:
         delta = gather(master, rows, self.block_size)
         delta.sub_(gather(model_shard, rows, self.block_size, out_dtype=torch.float32))
         scales = absmax_scales(delta, k)
-        codes = pack_values(delta, scales, k, 8)
+        codes = pack_values(delta, scales, k, self.bits)
         parts = [scales.view(torch.uint8), codes]
-        pad = self.seg - 4 * n - n * k
+        pad = self.seg - 4 * n - self.codes
         if pad:
             parts.append(torch.zeros(pad, dtype=torch.uint8, device=codes.device))
         return torch.cat(parts)
@@ -171,12 +187,23 @@ class ParamWire8:
         """``param_flat[mask] += decoded`` (fp32 sum, stored in the model's dtype) for every
         owner's rows of the full ``mask`` (``[W n_local, k]``), in the same order on every
         rank; ``segs``: the gathered segments (``[W, seg]`` bytes)."""
-        w, n, k = self.world, self.n_local, self.k
+        w, n, k, bits = self.world, self.n_local, self.k, self.bits
         scales = as_dtype(segs[:, :4 * n], torch.float32)
-        codes = segs[:, 4 * n:4 * n + n * k].contiguous().view(-1)
-        values = unpack_values(codes, scales, k, 8, w * n * k)
+        codes = segs[:, 4 * n:4 * n + self.codes].contiguous().view(-1)
+        if (n * k * bits) % 8 == 0:  # the owners' codes lie end to end
+            values = unpack_values(codes, scales, k, bits, w * n * k)
+        else:  # each owner's last byte is half empty: decode it with a zero scale, drop it
+            per = self.codes * 8 // bits
+            each = torch.zeros(w, per, dtype=torch.float32, device=segs.device)
+            each[:, :n * k] = scales.view(w, n).repeat_interleave(k, dim=1)
+            values = unpack_values(codes, each.view(-1), 1, bits, w * per)
+            values = values.view(w, per)[:, :n * k].reshape(-1)
         values.add_(gather(param_flat, mask, self.block_size, out_dtype=torch.float32))
         scatter_(param_flat, mask, self.block_size, values)
+
+
+ParamWire8 = ParamWire
+"""The 8-bit parameter wire's former name (:class:`ParamWire` at ``bits=8``)."""
 
 
 def mask_bytes(n_rows: int, k: int, block_size: int) -> int:
