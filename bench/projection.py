@@ -186,7 +186,7 @@ def _row_size(sparsity: float, block_size: int) -> int:
 
 
 def bytes_per_step(n: int, world: int, sparsity: float, grad_bytes: int = 2,
-                   param_bytes: int = 2, block_size: int = 4096,
+                   param_bytes: float = 2, block_size: int = 4096,
                    offset_bits: int | None = 16) -> int:
     """Bytes on the wire per rank per step (DESIGN §1, ring factor dropped).
 
@@ -194,16 +194,17 @@ def bytes_per_step(n: int, world: int, sparsity: float, grad_bytes: int = 2,
     ``K*(b_g + b_p) + ceil(K * offset_bits / 8)`` (compact gradients, compact parameters, the
     mask offsets). The projection's model keeps the paper's int16 offsets (``offset_bits=16``);
     ``offset_bits=None`` counts the library's coding instead, every rank's mask rows in
-    Elias-Fano code (:func:`scape.wire.mask_bytes`: 1.07 bytes an offset at 0.99)."""
+    Elias-Fano code (:func:`scape.wire.mask_bytes`: 1.07 bytes an offset at 0.99).
+    ``param_bytes`` may be 0.5 (4-bit updates, two a byte): the values' bytes round up."""
     if sparsity == 0.0:
-        return n * (grad_bytes + param_bytes)
+        return math.ceil(n * (grad_bytes + param_bytes))
     k = mask_size(n, world, sparsity, block_size)
+    values = math.ceil(k * (grad_bytes + param_bytes))
     if offset_bits is None:
         from scape.wire import mask_bytes  # torch only for this count
         k_b = _row_size(sparsity, block_size)
-        return k * (grad_bytes + param_bytes) \
-            + world * mask_bytes(k // k_b // world, k_b, block_size)
-    return k * (grad_bytes + param_bytes) + -(-(k * offset_bits) // 8)
+        return values + world * mask_bytes(k // k_b // world, k_b, block_size)
+    return values + -(-(k * offset_bits) // 8)
 
 
 def ring_time(nbytes: float, world: int, hw: Hardware) -> float:

@@ -19,6 +19,7 @@ from .pack import (
     take_pack8_,
     unpack_offsets,
     unpack_values,
+    word_layout,
 )
 from .reference import restore_ages_
 from .select import gain_topk, noise_gain_topk_
@@ -48,6 +49,7 @@ __all__ = [
     "pack_values",
     "unpack_values",
     "packed_nbytes",
+    "word_layout",
     "absmax_scales",
     "take_pack8_",
     "pack_offsets",

@@ -1,4 +1,4 @@
-"""Low-bit value packing: quantize to 2, 4 or 8 bits with one scale per group, and back.
+"""Low-bit value packing: quantize to 2, 4, 6 or 8 bits with one scale per group, and back.
 
 The codebook is symmetric and uniform with ``L = 2**bits`` levels and no zero level:
 
@@ -16,15 +16,18 @@ and decodes to ``s_g * (2q - (L - 1)) / (L - 1)``. The rounding error is at most
 is made for: the top-k entries of a block by magnitude (SparseLoCo's pseudo-gradients), all
 far from zero relative to the block's absmax.
 
-Packing is global, little-endian within the byte: code ``i`` goes to byte ``i // P`` at bit
-``(i % P) * bits``, ``P = 8 // bits`` codes per byte; ``n`` values take ``ceil(n * bits / 8)``
-bytes and unused high bits of the last byte are zero.
+Packing is global, little-endian: code ``i`` takes bits ``[i * bits, (i + 1) * bits)`` of the
+stream, byte ``j`` holding bits ``8j .. 8j + 7`` low bit first. For 2, 4 and 8 bits that is
+byte ``i // P`` at bit ``(i % P) * bits``, ``P = 8 // bits`` codes per byte; 6-bit codes go
+four to a 3-byte word (:func:`word_layout`), one in two spanning two bytes. ``n`` values take
+``ceil(n * bits / 8)`` bytes and unused high bits of the last byte are zero.
 
-Triton kernels: ``_pack_kernel`` has one program per ``BYTE_TILE`` output bytes and loads a
-``[BYTE_TILE, P]`` tile of values (each with its group's scale), so the ``P`` codes of a byte
+Triton kernels: ``_pack_kernel`` has one program per ``WORD_TILE`` words and loads a
+``[WORD_TILE, codes]`` tile of values (each with its group's scale), so the codes of a word
 are combined in registers; it reads ``n * v`` bytes of values (``v`` their element size) plus
 ``4 * n / group`` of scales, and writes ``ceil(n * bits / 8)``. ``_unpack_kernel`` has one
-program per ``TILE`` values; it reads the packed bytes and scales and writes ``4 * n``.
+program per ``TILE`` values; it reads the packed bytes (a 6-bit code from its one or two) and
+scales and writes ``4 * n``.
 Divisions are correctly rounded (``div_rn``) so both paths agree with the torch reference
 bit for bit.
 
@@ -55,7 +58,7 @@ from ._checks import (
 from ._triton import tl, triton
 from .reference import _flat
 
-PACK_BITS = (2, 4, 8)
+PACK_BITS = (2, 4, 6, 8)
 """Code widths :func:`pack_values` accepts."""
 
 
@@ -67,11 +70,11 @@ def packed_nbytes(n: int, bits: int) -> int:
 # --------------------------------------------------------------------------- Triton kernels
 @triton.jit
 def _pack_kernel(p_values, p_scales, p_out, n, n_bytes, group, BITS: tl.constexpr,
-                 PER_BYTE: tl.constexpr, BYTE_TILE: tl.constexpr):
+                 CODES: tl.constexpr, WBYTES: tl.constexpr, WORD_TILE: tl.constexpr):
     LEVELS: tl.constexpr = (1 << BITS) - 1
-    byte = tl.program_id(0).to(tl.int64) * BYTE_TILE + tl.arange(0, BYTE_TILE)
-    slot = tl.arange(0, PER_BYTE)
-    pos = byte[:, None] * PER_BYTE + slot[None, :]
+    word = tl.program_id(0).to(tl.int64) * WORD_TILE + tl.arange(0, WORD_TILE)
+    slot = tl.arange(0, CODES)
+    pos = word[:, None] * CODES + slot[None, :]
     m_pos = pos < n
     b_x = tl.load(p_values + pos, mask=m_pos, other=0.0).to(tl.float32)
     b_s = tl.load(p_scales + pos // group, mask=m_pos, other=1.0).to(tl.float32)
@@ -81,18 +84,32 @@ def _pack_kernel(p_values, p_scales, p_out, n, n_bytes, group, BITS: tl.constexp
     m_num = u == u  # NaN -> code 0 (checked before the clamp, whose NaN rule is unspecified)
     u = tl.minimum(tl.maximum(u, 0.0), LEVELS * 1.0)
     q = tl.where(m_num & m_pos, u, 0.0).to(tl.int32)  # unused high bits stay zero
-    b_byte = tl.sum(q << (slot[None, :] * BITS), axis=1)
-    tl.store(p_out + byte, b_byte.to(tl.uint8), mask=byte < n_bytes)
+    b_word = tl.sum(q << (slot[None, :] * BITS), axis=1)
+    if WBYTES == 1:
+        tl.store(p_out + word, b_word.to(tl.uint8), mask=word < n_bytes)
+    else:  # a word of WBYTES (3) bytes, stored a byte at a time
+        j = tl.arange(0, 4)
+        at = word[:, None] * WBYTES + j[None, :]
+        b_bytes = (b_word[:, None] >> (j[None, :] * 8)) & 255
+        tl.store(p_out + at, b_bytes.to(tl.uint8), mask=(j[None, :] < WBYTES) & (at < n_bytes))
 
 
 @triton.jit
 def _unpack_kernel(p_packed, p_scales, p_out, n, group, BITS: tl.constexpr,
-                   PER_BYTE: tl.constexpr, TILE: tl.constexpr):
+                   CODES: tl.constexpr, WBYTES: tl.constexpr, TILE: tl.constexpr):
     LEVELS: tl.constexpr = (1 << BITS) - 1
     pos = tl.program_id(0).to(tl.int64) * TILE + tl.arange(0, TILE)
     m_pos = pos < n
-    b_byte = tl.load(p_packed + pos // PER_BYTE, mask=m_pos, other=0).to(tl.int32)
-    q = (b_byte >> ((pos % PER_BYTE) * BITS).to(tl.int32)) & LEVELS
+    if WBYTES == 1:
+        b_byte = tl.load(p_packed + pos // CODES, mask=m_pos, other=0).to(tl.int32)
+        q = (b_byte >> ((pos % CODES) * BITS).to(tl.int32)) & LEVELS
+    else:  # a code may span two bytes of its word
+        bit = (pos % CODES) * BITS
+        base = (pos // CODES) * WBYTES + bit // 8
+        shift = (bit % 8).to(tl.int32)
+        b0 = tl.load(p_packed + base, mask=m_pos, other=0).to(tl.int32)
+        b1 = tl.load(p_packed + base + 1, mask=m_pos & (shift + BITS > 8), other=0).to(tl.int32)
+        q = ((b0 | (b1 << 8)) >> shift) & LEVELS
     b_s = tl.load(p_scales + pos // group, mask=m_pos, other=0.0).to(tl.float32)
     level = (2 * q - LEVELS).to(tl.float32)
     tl.store(p_out + pos, tl.div_rn(b_s * level, LEVELS * 1.0), mask=m_pos)
@@ -136,10 +153,18 @@ def take_pack8_triton(src: torch.Tensor, idx: torch.Tensor, block_size: int,
                                     K_TILE=cfg["K_TILE"], num_warps=cfg["num_warps"])
 
 
+def word_layout(bits: int) -> tuple[int, int]:
+    """``(codes, bytes)`` of the smallest whole number of bytes that holds whole codes of
+    ``bits`` bits: one byte of ``8 // bits`` codes for 2, 4 and 8 bits; 3 bytes of 4 codes
+    for 6."""
+    wbytes = 3 if bits == 6 else 1
+    return 8 * wbytes // bits, wbytes
+
+
 def pack_config(bits: int) -> dict[str, int]:
-    """Launch settings: 1024 values per program (``1024 / P`` bytes), 4 warps."""
-    per_byte = 8 // bits
-    return {"BYTE_TILE": 1024 // per_byte, "TILE": 1024, "num_warps": 4}
+    """Launch settings: 1024 values per program (``1024 / codes`` words), 4 warps."""
+    codes, _ = word_layout(bits)
+    return {"WORD_TILE": 1024 // codes, "TILE": 1024, "num_warps": 4}
 
 
 def pack_triton(values: torch.Tensor, scales: torch.Tensor, group: int, bits: int,
@@ -147,10 +172,10 @@ def pack_triton(values: torch.Tensor, scales: torch.Tensor, group: int, bits: in
     """Launch :func:`_pack_kernel` (arguments already validated)."""
     n, n_bytes = values.numel(), out.numel()
     cfg = pack_config(bits)
-    grid = (triton.cdiv(n_bytes, cfg["BYTE_TILE"]),)
-    _pack_kernel[grid](values, scales, out, n, n_bytes, group, BITS=bits,
-                       PER_BYTE=8 // bits, BYTE_TILE=cfg["BYTE_TILE"],
-                       num_warps=cfg["num_warps"])
+    codes, wbytes = word_layout(bits)
+    grid = (triton.cdiv(triton.cdiv(n, codes), cfg["WORD_TILE"]),)
+    _pack_kernel[grid](values, scales, out, n, n_bytes, group, BITS=bits, CODES=codes,
+                       WBYTES=wbytes, WORD_TILE=cfg["WORD_TILE"], num_warps=cfg["num_warps"])
     return out
 
 
@@ -159,9 +184,10 @@ def unpack_triton(packed: torch.Tensor, scales: torch.Tensor, group: int, bits: 
     """Launch :func:`_unpack_kernel` (arguments already validated)."""
     n = out.numel()
     cfg = pack_config(bits)
+    codes, wbytes = word_layout(bits)
     _unpack_kernel[(triton.cdiv(n, cfg["TILE"]),)](
-        packed, scales, out, n, group, BITS=bits, PER_BYTE=8 // bits, TILE=cfg["TILE"],
-        num_warps=cfg["num_warps"])
+        packed, scales, out, n, group, BITS=bits, CODES=codes, WBYTES=wbytes,
+        TILE=cfg["TILE"], num_warps=cfg["num_warps"])
     return out
 
 
@@ -170,17 +196,19 @@ def pack_ref(values: torch.Tensor, scales: torch.Tensor, group: int, bits: int,
              out: torch.Tensor | None = None) -> torch.Tensor:
     """Torch implementation of :func:`pack_values` (the CPU path and the ground truth)."""
     levels = (1 << bits) - 1
-    per_byte = 8 // bits
+    codes, wbytes = word_layout(bits)
     n = values.numel()
     x = values.float().view(-1, group)
     s = scales.float().view(-1, 1)
     t = torch.where(s == 0, torch.zeros_like(x), x / torch.where(s == 0, 1.0, s))
     u = torch.floor((t + 1.0) * (0.5 * levels) + 0.5).clamp(0.0, float(levels))
-    q = torch.where(torch.isnan(u), 0.0, u).to(torch.int32).view(-1)
-    n_bytes = packed_nbytes(n, bits)
-    q = torch.cat([q, q.new_zeros(n_bytes * per_byte - n)]).view(n_bytes, per_byte)
-    shifts = torch.arange(per_byte, dtype=torch.int32, device=q.device) * bits
-    packed = (q << shifts).sum(dim=1).to(torch.uint8)
+    q = torch.where(torch.isnan(u), 0.0, u).to(torch.int64).view(-1)
+    n_words = -(-n // codes)
+    q = torch.cat([q, q.new_zeros(n_words * codes - n)]).view(n_words, codes)
+    shifts = torch.arange(codes, dtype=torch.int64, device=q.device) * bits
+    words = (q << shifts).sum(dim=1, keepdim=True)
+    at = torch.arange(wbytes, dtype=torch.int64, device=q.device) * 8
+    packed = ((words >> at) & 255).view(-1)[:packed_nbytes(n, bits)].to(torch.uint8)
     if out is None:
         return packed
     out.copy_(packed)
@@ -191,9 +219,10 @@ def unpack_ref(packed: torch.Tensor, scales: torch.Tensor, group: int, bits: int
                out: torch.Tensor | None = None) -> torch.Tensor:
     """Torch implementation of :func:`unpack_values`."""
     levels = (1 << bits) - 1
-    per_byte = 8 // bits
-    shifts = torch.arange(per_byte, dtype=torch.int32, device=packed.device) * bits
-    q = ((packed.to(torch.int32).view(-1, 1) >> shifts) & levels).view(-1)[:n]
+    bit = torch.arange(n, dtype=torch.int64, device=packed.device) * bits
+    p = torch.cat([packed.to(torch.int64), packed.new_zeros(1, dtype=torch.int64)])
+    word = p[bit // 8] | (p[bit // 8 + 1] << 8)
+    q = (word >> (bit % 8)) & levels
     level = (2 * q - levels).to(torch.float32)
     s = scales.float().repeat_interleave(group)
     vals = (s * level) / float(levels)

@@ -63,9 +63,9 @@ from scape.rules.builtin import BUILTIN_RULES
 from scape.schedules import ramp_start, sparsity_ramp, start_ramp_steps
 from scape.sharded import ShardedOptimizer, _Pending, positional_error
 from scape.two_level import NodeLevel
-from scape.wire import INT4, PARAM_BITS, ParamWire, Wire8, as_dtype, gather_parts
+from scape.wire import PARAM_BITS, ParamWire, Wire8, as_dtype, gather_parts
 
-PARAM_WIRES = (None, torch.int8, INT4)
+PARAM_WIRES = (None, *PARAM_BITS)
 """The ``param_comm_dtype`` values :class:`SCAPE` takes (:mod:`scape.wire`)."""
 
 DIAG_FULL_EVERY = 10
@@ -101,7 +101,7 @@ class SCAPE(ShardedOptimizer):
             halves the gradient bytes; ``torch.int8``: a sparse step sends 8-bit codes with one
             scale per mask row, the coding error kept in the residual (:mod:`scape.wire`).
         param_comm_dtype: None (a sparse step sends new values in the model's dtype),
-            ``torch.int8`` or ``torch.int4``: 8- or 4-bit updates all apply (:mod:`scape.wire`).
+            ``torch.int8``, ``int6``, ``int4``: 8-, 6-, 4-bit updates all apply (:mod:`scape.wire`).
         comm: the data-parallel group: a ProcessGroup, a 1-D DeviceMesh or a
             :class:`scape.comm.Communicator` (default: the default process group).
     """
@@ -206,8 +206,8 @@ class SCAPE(ShardedOptimizer):
                              "HierarchicalCommunicator use float32, bfloat16 or float16")
         if self.param_comm_dtype not in PARAM_WIRES:
             raise ValueError(f"Invalid param_comm_dtype: {self.param_comm_dtype!r} (expected "
-                             "None, the model's values, or torch.int8 or torch.int4, 8- or "
-                             "4-bit updates)")
+                             "None, the model's values, or torch.int8, torch.int6 or "
+                             "torch.int4: 8-, 6- or 4-bit updates)")
         if self.param_comm_dtype is not None and self._two_level:
             raise ValueError(f"param_comm_dtype={self.param_comm_dtype} is one level only: with a "
                              "HierarchicalCommunicator leave it None")

@@ -1,6 +1,6 @@
 """The compact parts of a sparse step's wire: the 8-bit gradient wire
-(``grad_comm_dtype=torch.int8``), the 8-bit parameter wire (``param_comm_dtype=torch.int8``)
-and the mask's Elias-Fano rows (every wire).
+(``grad_comm_dtype=torch.int8``), the 8- and 4-bit parameter wires (``param_comm_dtype``
+``torch.int8``, ``torch.int4``) and the mask's Elias-Fano rows (every wire).
 
 **The mask.** The next mask travels as each mask row's ascending block-local offsets in
 Elias-Fano code (:func:`scape.kernels.pack_mask`): ``ceil((k L + k + ((B - 1) >> L)) / 8)``
@@ -34,13 +34,16 @@ Dense steps send fp32.
 new values of its mask entries but what the model copy still lacks of them,
 ``delta = master - model`` (fp32, the model copy read from its own replica), coded to 8 bits
 with one fp32 scale per mask row (the row's absmax, the same codebook), in the segment layout
-above. Every rank, the owner included, decodes every owner's segment and applies
-``model = model + decoded`` (in fp32, stored in the model's dtype): the same operations on
-the same bytes, so the replicas stay bitwise identical. The owner keeps its fp32 master; the
-gap ``master - model`` at a coordinate is what its last send did not carry, at most
-``s / 255`` (``s``: that row's largest ``|delta|``) plus one rounding to the model's dtype,
-and it travels with the coordinate's next send (so it does not accumulate). A dense step
-sends the values themselves and closes every gap.
+above; ``torch.int4`` codes it to 4 bits on the same codebook's 16 levels, two codes a byte
+(:func:`scape.kernels.pack_values`; ``ceil(n * k / 2)`` bytes of codes, an owner whose codes
+end in half a byte leaves the other half zero). Every rank, the owner included, decodes every
+owner's segment and applies ``model = model + decoded`` (in fp32, stored in the model's
+dtype): the same operations on the same bytes, so the replicas stay bitwise identical. The
+owner keeps its fp32 master; the gap ``master - model`` at a coordinate is what its last send
+did not carry, at most ``s / 255`` (4 bits: ``s / 15``; ``s``: that row's largest
+``|delta|``) plus one rounding to the model's dtype, and it travels with the coordinate's
+next send (so it does not accumulate). A dense step sends the values themselves and closes
+every gap.
 """
 
 from __future__ import annotations
@@ -59,9 +62,10 @@ from scape.kernels import (
     packed_nbytes,
     scatter_,
     unpack_values,
+    word_layout,
 )
 
-__all__ = ["INT4", "PARAM_BITS", "ParamWire", "ParamWire8", "Wire8", "fused_segment_bytes",
+__all__ = ["INT4", "INT6", "PARAM_BITS", "ParamWire", "ParamWire8", "Wire8", "fused_segment_bytes",
            "gather_parts", "mask_bytes", "segment_bytes"]
 
 
@@ -72,7 +76,9 @@ def as_dtype(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 INT4: torch.dtype = torch.int4  # type: ignore[attr-defined]  # (the stubs omit sub-byte dtypes)
 """``torch.int4``, the 4-bit parameter wire's ``param_comm_dtype``."""
-PARAM_BITS = types.MappingProxyType({torch.int8: 8, INT4: 4})
+INT6: torch.dtype = torch.int6  # type: ignore[attr-defined]
+"""``torch.int6``, the 6-bit parameter wire's ``param_comm_dtype``."""
+PARAM_BITS = types.MappingProxyType({torch.int8: 8, INT6: 6, INT4: 4})
 """The parameter wires' code widths by ``param_comm_dtype`` (module docstring)."""
 
 
@@ -87,8 +93,16 @@ def fused_segment_bytes(rows: list[tuple[int, int]], scalars: int = 0, bits: int
     k)`` each, laid end to end, each bucket's codes ``bits`` wide and packed
     (:func:`scape.kernels.packed_nbytes`), and ``scalars`` fp32 values ahead of them; padded
     to a multiple of 4."""
-    body = sum(4 * n + packed_nbytes(n * k, bits) for n, k in rows)
+    body = sum(4 * n + code_bytes(n * k, bits) for n, k in rows)
     return -(-(4 * scalars + body) // 4) * 4
+
+
+def code_bytes(count: int, bits: int) -> int:
+    """Bytes of ``count`` codes of ``bits`` bits in a segment: whole words of
+    :func:`scape.kernels.word_layout` (``ceil(count * bits / 8)`` for 8 and 4 bits; 6-bit
+    codes fill 3-byte words), so every owner's codes start at a code's boundary."""
+    codes, _ = word_layout(bits)
+    return packed_nbytes(-(-count // codes) * codes, bits)
 
 
 class Wire8:
@@ -157,7 +171,7 @@ class Wire8:
 
 class ParamWire:
     """One bucket's compact parameter wire on one sparse step (module docstring), ``bits``
-    (8 or 4, :data:`PARAM_BITS`) a coded update: :meth:`code` makes the owner's segment of
+    (8, 6 or 4, :data:`PARAM_BITS`) a coded update: :meth:`code` makes the owner's segment of
     the all-gather, :meth:`apply` writes every rank's decoded updates into the model copy
     once it has landed."""
 
@@ -165,7 +179,7 @@ class ParamWire:
                  bits: int = 8) -> None:
         self.world, self.n_local, self.k, self.block_size = world, n_local, k, block_size
         self.bits = bits
-        self.codes = packed_nbytes(n_local * k, bits)
+        self.codes = code_bytes(n_local * k, bits)
         self.seg = segment_bytes(n_local, k, bits=bits)
 
     def code(self, master: torch.Tensor, model_shard: torch.Tensor,
@@ -178,7 +192,7 @@ class ParamWire:
         scales = absmax_scales(delta, k)
         codes = pack_values(delta, scales, k, self.bits)
         parts = [scales.view(torch.uint8), codes]
-        pad = self.seg - 4 * n - self.codes
+        pad = self.seg - 4 * n - codes.numel()
         if pad:
             parts.append(torch.zeros(pad, dtype=torch.uint8, device=codes.device))
         return torch.cat(parts)
@@ -190,9 +204,9 @@ class ParamWire:
         w, n, k, bits = self.world, self.n_local, self.k, self.bits
         scales = as_dtype(segs[:, :4 * n], torch.float32)
         codes = segs[:, 4 * n:4 * n + self.codes].contiguous().view(-1)
-        if (n * k * bits) % 8 == 0:  # the owners' codes lie end to end
+        if (n * k) % word_layout(bits)[0] == 0:  # the owners' codes lie end to end
             values = unpack_values(codes, scales, k, bits, w * n * k)
-        else:  # each owner's last byte is half empty: decode it with a zero scale, drop it
+        else:  # each owner's last word is part empty: decode it with a zero scale, drop it
             per = self.codes * 8 // bits
             each = torch.zeros(w, per, dtype=torch.float32, device=segs.device)
             each[:, :n * k] = scales.view(w, n).repeat_interleave(k, dim=1)

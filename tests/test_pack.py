@@ -51,11 +51,10 @@ def _codes_f64(x: torch.Tensor, s: torch.Tensor, group: int, bits: int) -> torch
 
 
 def _unpacked_codes(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
-    """Codes read back bit by bit in Python's own integer arithmetic (little-endian)."""
-    per = 8 // bits
-    data = packed.tolist()
-    return torch.tensor([(data[i // per] >> ((i % per) * bits)) & ((1 << bits) - 1)
-                         for i in range(n)])
+    """Codes read back from the stream as one Python integer (little-endian: code ``i`` at
+    bits ``[i * bits, (i + 1) * bits)``)."""
+    stream = int.from_bytes(bytes(packed.tolist()), "little")
+    return torch.tensor([(stream >> (i * bits)) & ((1 << bits) - 1) for i in range(n)])
 
 
 @pytest.mark.parametrize("bits", BITS)
@@ -133,7 +132,7 @@ def test_zero_groups_nan_and_out_of_range(backend, kernel_backend, nan_out):
 
 def test_validation_messages():
     x, s = torch.randn(8), torch.ones(2)
-    with pytest.raises(ValueError, match=r"bits must be one of \(2, 4, 8\); got 3"):
+    with pytest.raises(ValueError, match=r"bits must be one of \(2, 4, 6, 8\); got 3"):
         kernels.pack_values(x, s, 4, 3)
     with pytest.raises(TypeError, match="bits must be an int; got float"):
         kernels.pack_values(x, s, 4, 2.0)
@@ -170,18 +169,19 @@ def _compile_rows() -> list[dict]:
     for cc in (80, 90):
         for bits in pack.PACK_BITS:
             cfg = pack.pack_config(bits)
-            per = 8 // bits
+            codes, wbytes = pack.word_layout(bits)
             for label, fn, sig, consts in (
                 ("pack", pack._pack_kernel,
                  {"p_values": "*fp32", "p_scales": "*fp32", "p_out": "*u8", "n": "i32",
                   "n_bytes": "i32", "group": "i32", "BITS": "constexpr",
-                  "PER_BYTE": "constexpr", "BYTE_TILE": "constexpr"},
-                 {"BITS": bits, "PER_BYTE": per, "BYTE_TILE": cfg["BYTE_TILE"]}),
+                  "CODES": "constexpr", "WBYTES": "constexpr", "WORD_TILE": "constexpr"},
+                 {"BITS": bits, "CODES": codes, "WBYTES": wbytes,
+                  "WORD_TILE": cfg["WORD_TILE"]}),
                 ("unpack", pack._unpack_kernel,
                  {"p_packed": "*u8", "p_scales": "*fp32", "p_out": "*fp32", "n": "i32",
-                  "group": "i32", "BITS": "constexpr", "PER_BYTE": "constexpr",
-                  "TILE": "constexpr"},
-                 {"BITS": bits, "PER_BYTE": per, "TILE": cfg["TILE"]})):
+                  "group": "i32", "BITS": "constexpr", "CODES": "constexpr",
+                  "WBYTES": "constexpr", "TILE": "constexpr"},
+                 {"BITS": bits, "CODES": codes, "WBYTES": wbytes, "TILE": cfg["TILE"]})):
                 compiled = triton.compile(ASTSource(fn, sig, constexprs=consts),
                                           target=GPUTarget("cuda", cc, 32),
                                           options={"num_warps": cfg["num_warps"]})
@@ -197,7 +197,7 @@ def test_pack_kernels_compile_for_sm80_and_sm90():
                           timeout=300, cwd=os.path.dirname(os.path.dirname(__file__)))
     assert proc.returncode == 0, f"compilation failed:\n{proc.stderr[-4000:]}"
     rows = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(rows) == 2 * 3 * 2
+    assert len(rows) == 2 * len(pack.PACK_BITS) * 2
     assert all(r["has_entry"] and r["cubin"] > 0 for r in rows), rows
 
 

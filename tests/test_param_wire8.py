@@ -1,10 +1,10 @@
-"""The compact parameter wires (``param_comm_dtype=torch.int8`` or ``torch.int4``,
+"""The compact parameter wires (``param_comm_dtype`` ``torch.int8``, ``int6`` or ``int4``,
 ``scape.wire.ParamWire``): every rank applies the same decoded updates, so the replicas stay
 bitwise identical (also checked step by step with the other configurations in
 test_optimizer's invariants); the gap between the owner's fp32 master and the model copy is at
-most ``s / 255`` (4 bits: ``s / 15``) of the row's largest update plus one rounding to the
-model's dtype after a sparse step, unchanged outside the mask, and closed by a dense step;
-bytes are what ``run_bytes`` foresees; bad values are refused."""
+most ``s / 255`` (6 bits: ``s / 63``; 4 bits: ``s / 15``) of the row's largest update plus
+one rounding to the model's dtype after a sparse step, unchanged outside the mask, and closed
+by a dense step; bytes are what ``run_bytes`` foresees; bad values are refused."""
 
 from __future__ import annotations
 
@@ -14,14 +14,16 @@ import torch.distributed as dist
 from dist import run_ranks
 
 import scape
+from scape.kernels import word_layout
 from scape.schedules import run_bytes
+from scape.wire import INT4, INT6, PARAM_BITS
 
 BLOCK = 256
 SHAPES = [(40, 33), (700,), (3, 250)]
 ODD = [(40, 33), (700,), (2, 250)]
 """2,520 parameters: 5 mask rows an owner at W=2, so at sparsity 0.95 (13 a row) an owner's
-4-bit codes end in half a byte."""
-LEVELS = {torch.int8: 255, torch.int4: 15}
+65 codes end inside a word (half a byte of 4-bit codes; one of four 6-bit codes)."""
+LEVELS = {torch.int8: 255, INT6: 63, INT4: 15}
 
 
 def _gather_cat(t: torch.Tensor, world: int) -> torch.Tensor:
@@ -86,12 +88,14 @@ def _gap_body(rank: int, world: int, dtype: torch.dtype, steps: int, wire: torch
 
 @pytest.mark.parametrize("dtype,wire,sparsity,shapes", [
     (torch.float32, torch.int8, 0.9, SHAPES), (torch.bfloat16, torch.int8, 0.9, SHAPES),
-    (torch.float32, torch.int4, 0.9, SHAPES), (torch.bfloat16, torch.int4, 0.95, ODD)])
+    (torch.float32, INT4, 0.9, SHAPES), (torch.bfloat16, INT4, 0.95, ODD),
+    (torch.float32, INT6, 0.9, SHAPES), (torch.bfloat16, INT6, 0.95, ODD)])
 def test_replicas_identical_and_gap_bounded(dtype, wire, sparsity, shapes):
     results = run_ranks(_gap_body, 2, dtype, 16, wire, sparsity, shapes, timeout=180)
     assert all(r["worst"] > 0.0 for r in results), results  # the codes do leave a gap
-    if shapes is ODD:  # the case it is there for: an owner's codes end in half a byte
-        assert all(r["n_local"] * r["k"] % 2 == 1 for r in results), results
+    if shapes is ODD:  # the case it is there for: an owner's codes end inside a word
+        per_word = word_layout(PARAM_BITS[wire])[0]
+        assert all(r["n_local"] * r["k"] % per_word for r in results), results
 
 
 def test_param_comm_dtype_is_checked():
@@ -116,7 +120,7 @@ def test_a_rank_with_another_param_wire_is_named_on_every_rank():
     assert all("param_comm_dtype" in m for m in msgs), msgs
 
 
-@pytest.mark.parametrize("wire", [torch.int8, torch.int4])
+@pytest.mark.parametrize("wire", [torch.int8, INT6, INT4])
 def test_a_load_rebuilds_the_model_copy_from_the_master_and_closes_the_gap(wire):
     # what docs/design.md states for a resume with compact updates: the model copy becomes the
     # saved master in the model's dtype, so a resumed run leaves the uninterrupted one by at
