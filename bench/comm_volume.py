@@ -40,7 +40,7 @@ from bench.engine.nullcomm import NullCommunicator
 from bench.projection import MODELS, bytes_per_step
 from scape.buffers import Bucket
 from scape.rules import RULES, block_budget
-from scape.wire import INT4
+from scape.wire import PARAM_BITS
 
 SCHEMA = "scape.comm_volume/1"
 WORLDS = (8, 32, 256)
@@ -152,7 +152,7 @@ def report(models: list[str], worlds: list[int], wire: torch.dtype = WIRE_DTYPE,
                 by_op = predict(cal["costs"], n_pad if k is None else k)
                 total = sum(by_op.values())
                 b_g = (wire if sp else WIRE_DTYPE).itemsize  # dense AdamS: WIRE_DTYPE
-                b_p = {torch.int8: 1, INT4: 0.5}.get(param_wire, 2) if sp else 2
+                b_p = PARAM_BITS[param_wire] / 8 if param_wire is not None and sp else 2
                 formula = bytes_per_step(n, world, sp, grad_bytes=b_g, param_bytes=b_p,
                                          block_size=BLOCK_SIZE, offset_bits=None)
                 rows.append({"model": name, "n_params": n, "world": world, "sparsity": sp,
@@ -197,14 +197,18 @@ def main(argv: list[str] | None = None) -> int:
                     "without the row scales)")
     ap.add_argument("--wire8", action="store_true", help="the whole 8-bit wire: --int8 and "
                     "8-bit parameter updates (param_comm_dtype=torch.int8)")
-    ap.add_argument("--wire4", action="store_true", help="--int8 and 4-bit parameter updates "
-                    "(param_comm_dtype=torch.int4)")
+    ap.add_argument("--updates", type=int, choices=(8, 6, 4), help="--int8 and BITS-bit "
+                    "parameter updates (param_comm_dtype torch.int8, int6, int4; --wire8 is "
+                    "--updates 8)")
     args = ap.parse_args(argv)
     models = ["GPT-345M"] if args.smoke else list(MODELS)
     worlds = [8] if args.smoke else list(WORLDS)
     torch.set_num_threads(1)
-    rep = report(models, worlds, torch.int8 if args.int8 or args.wire8 or args.wire4
-                 else WIRE_DTYPE, torch.int8 if args.wire8 else INT4 if args.wire4 else None)
+    updates = 8 if args.wire8 else args.updates
+    param_wire = None if updates is None else next(d for d, b in PARAM_BITS.items()
+                                                    if b == updates)
+    rep = report(models, worlds, torch.int8 if args.int8 or updates else WIRE_DTYPE,
+                 param_wire)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(rep, f, indent=1)

@@ -195,7 +195,7 @@ def bytes_per_step(n: int, world: int, sparsity: float, grad_bytes: int = 2,
     mask offsets). The projection's model keeps the paper's int16 offsets (``offset_bits=16``);
     ``offset_bits=None`` counts the library's coding instead, every rank's mask rows in
     Elias-Fano code (:func:`scape.wire.mask_bytes`: 1.07 bytes an offset at 0.99).
-    ``param_bytes`` may be 0.5 (4-bit updates, two a byte): the values' bytes round up."""
+    ``param_bytes`` may be a fraction (6- and 4-bit updates: 0.75, 0.5): values round up."""
     if sparsity == 0.0:
         return math.ceil(n * (grad_bytes + param_bytes))
     k = mask_size(n, world, sparsity, block_size)

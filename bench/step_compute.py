@@ -50,9 +50,11 @@ WIRE8_ROWS = {
     "scape_0.99_int8": ("scape", 0.99, {"warmup_steps": 1, "grad_comm_dtype": "int8"}),
     "scape_0.99_wire8": ("scape", 0.99, {"warmup_steps": 1, "grad_comm_dtype": "int8",
                                          "param_comm_dtype": "int8"}),
+    "scape_0.99_wire86": ("scape", 0.99, {"warmup_steps": 1, "grad_comm_dtype": "int8",
+                                          "param_comm_dtype": "int6"}),
 }
-"""The 8-bit wires' rows (``--int8``: gradients; ``wire8`` also parameter updates), timed
-beside the others."""
+"""The compact wires' rows (``--int8``: 8-bit gradients; ``wire8`` also 8-bit parameter
+updates, ``wire86`` 6-bit ones), timed beside the others."""
 
 
 def build(model_name: str, world: int, kind: str, update: str | None = None,
@@ -149,8 +151,8 @@ def main(argv: list[str] | None = None) -> int:
                     "(default: the library's default)")
     ap.add_argument("--groups", action="store_true", help="decay and no_decay param groups "
                     "instead of one group")
-    ap.add_argument("--int8", action="store_true", help="also the SCAPE rows with the 8-bit "
-                    "wires (grad_comm_dtype=torch.int8, and param_comm_dtype=torch.int8 too)")
+    ap.add_argument("--int8", action="store_true", help="also the SCAPE rows with the compact "
+                    "wires (grad_comm_dtype=torch.int8, and param_comm_dtype int8 or int6 too)")
     args = ap.parse_args(argv)
     if args.smoke:
         args.model, args.world, args.steps = "tiny", 2, 3

@@ -26,7 +26,7 @@ PUBLIC = {
                         "REDUCE_OPS"},
     "scape.buffers": {"Bucket", "DENSE_ALIGN", "flat_layout"},
     "scape.profiling": {"phase"},
-    "scape.wire": {"INT4", "fused_segment_bytes", "mask_bytes", "segment_bytes"},
+    "scape.wire": {"PARAM_BITS", "fused_segment_bytes", "mask_bytes", "segment_bytes"},
 }
 """The library surface the benchmarks may use: module -> the names they may take from it
 (None: every public name)."""

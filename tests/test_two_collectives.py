@@ -19,6 +19,7 @@ from dist import run_ranks
 
 import scape
 from scape.schedules import run_bytes
+from scape.wire import INT6
 
 BLOCK = 256
 STEPS = 12
@@ -80,10 +81,12 @@ def _body(rank: int, world: int, wires: dict) -> dict:
 
 WIRES = {"fp32": {}, "bf16": {"grad_comm_dtype": torch.bfloat16},
          "int8": {"grad_comm_dtype": torch.int8},
-         "wire8": {"grad_comm_dtype": torch.int8, "param_comm_dtype": torch.int8}}
+         "wire8": {"grad_comm_dtype": torch.int8, "param_comm_dtype": torch.int8},
+         "wire86": {"grad_comm_dtype": torch.int8, "param_comm_dtype": INT6}}
 
 
-@pytest.mark.parametrize("world,wire", [(2, "fp32"), (3, "bf16"), (2, "int8"), (3, "wire8")])
+@pytest.mark.parametrize("world,wire", [(2, "fp32"), (3, "bf16"), (2, "int8"), (3, "wire8"),
+                                        (2, "wire86")])
 def test_sparse_step_rides_in_two_collectives(world, wire):
     results = run_ranks(_body, world, WIRES[wire], timeout=240)
     for r in results:
