@@ -1,6 +1,6 @@
 """The compact parts of a sparse step's wire: the 8-bit gradient wire
-(``grad_comm_dtype=torch.int8``), the 8- and 4-bit parameter wires (``param_comm_dtype``
-``torch.int8``, ``torch.int4``) and the mask's Elias-Fano rows (every wire).
+(``grad_comm_dtype=torch.int8``), the 8-, 6- and 4-bit parameter wires (``param_comm_dtype``
+``torch.int8``, ``torch.int6``, ``torch.int4``) and the mask's Elias-Fano rows (every wire).
 
 **The mask.** The next mask travels as each mask row's ascending block-local offsets in
 Elias-Fano code (:func:`scape.kernels.pack_mask`): ``ceil((k L + k + ((B - 1) >> L)) / 8)``
@@ -34,16 +34,16 @@ Dense steps send fp32.
 new values of its mask entries but what the model copy still lacks of them,
 ``delta = master - model`` (fp32, the model copy read from its own replica), coded to 8 bits
 with one fp32 scale per mask row (the row's absmax, the same codebook), in the segment layout
-above; ``torch.int4`` codes it to 4 bits on the same codebook's 16 levels, two codes a byte
-(:func:`scape.kernels.pack_values`; ``ceil(n * k / 2)`` bytes of codes, an owner whose codes
-end in half a byte leaves the other half zero). Every rank, the owner included, decodes every
-owner's segment and applies ``model = model + decoded`` (in fp32, stored in the model's
-dtype): the same operations on the same bytes, so the replicas stay bitwise identical. The
-owner keeps its fp32 master; the gap ``master - model`` at a coordinate is what its last send
-did not carry, at most ``s / 255`` (4 bits: ``s / 15``; ``s``: that row's largest
-``|delta|``) plus one rounding to the model's dtype, and it travels with the coordinate's
-next send (so it does not accumulate). A dense step sends the values themselves and closes
-every gap.
+above; ``torch.int6`` and ``torch.int4`` code it to 6 or 4 bits on the same codebook's 64 or
+16 levels (:func:`scape.kernels.pack_values`: 6-bit codes four to a 3-byte word, 4-bit two to
+a byte; an owner's codes fill whole words, :func:`code_bytes`, the rest zero). Every rank,
+the owner included, decodes every owner's segment and applies ``model = model + decoded``
+(in fp32, stored in the model's dtype): the same operations on the same bytes, so the
+replicas stay bitwise identical. The owner keeps its fp32 master; the gap ``master - model``
+at a coordinate is what its last send did not carry, at most ``s / 255`` (6 bits:
+``s / 63``; 4 bits: ``s / 15``; ``s``: that row's largest ``|delta|``) plus one rounding to
+the model's dtype, and it travels with the coordinate's next send (so it does not
+accumulate). A dense step sends the values themselves and closes every gap.
 """
 
 from __future__ import annotations
@@ -65,8 +65,8 @@ from scape.kernels import (
     word_layout,
 )
 
-__all__ = ["INT4", "INT6", "PARAM_BITS", "ParamWire", "ParamWire8", "Wire8", "fused_segment_bytes",
-           "gather_parts", "mask_bytes", "segment_bytes"]
+__all__ = ["INT4", "INT6", "PARAM_BITS", "ParamWire", "Wire8", "code_bytes",
+           "fused_segment_bytes", "gather_parts", "mask_bytes", "segment_bytes"]
 
 
 def as_dtype(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -214,10 +214,6 @@ class ParamWire:
             values = values.view(w, per)[:, :n * k].reshape(-1)
         values.add_(gather(param_flat, mask, self.block_size, out_dtype=torch.float32))
         scatter_(param_flat, mask, self.block_size, values)
-
-
-ParamWire8 = ParamWire
-"""The 8-bit parameter wire's former name (:class:`ParamWire` at ``bits=8``)."""
 
 
 def mask_bytes(n_rows: int, k: int, block_size: int) -> int:

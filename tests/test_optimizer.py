@@ -114,7 +114,7 @@ CONFIGS = {
     "int8": dict(sparsity=0.9, warmup_steps=2, grad_comm_dtype=torch.int8),
     "int8_bf16": dict(sparsity=0.99, warmup_steps=2, grad_comm_dtype=torch.int8,
                       dtype=torch.bfloat16),
-    # 8-bit parameter updates (scape.wire.ParamWire8): the replicas stay bitwise identical
+    # 8-bit parameter updates (scape.wire.ParamWire): the replicas stay bitwise identical
     "param8": dict(sparsity=0.9, warmup_steps=2, param_comm_dtype=torch.int8),
     "wire8_bf16": dict(sparsity=0.99, warmup_steps=2, grad_comm_dtype=torch.int8,
                        param_comm_dtype=torch.int8, dtype=torch.bfloat16),
