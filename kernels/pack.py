@@ -43,6 +43,8 @@ difference. ``_take_pack8_kernel`` has one program per mask row (``K_TILE`` =
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ._checks import (
@@ -157,7 +159,7 @@ def word_layout(bits: int) -> tuple[int, int]:
     """``(codes, bytes)`` of the smallest whole number of bytes that holds whole codes of
     ``bits`` bits: one byte of ``8 // bits`` codes for 2, 4 and 8 bits; 3 bytes of 4 codes
     for 6."""
-    wbytes = 3 if bits == 6 else 1
+    wbytes = math.lcm(bits, 8) // 8
     return 8 * wbytes // bits, wbytes
 
 

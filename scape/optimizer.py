@@ -500,7 +500,7 @@ class SCAPE(ShardedOptimizer):
                                "its update did not take shard.age_at_mask (see Rule)")
         self._take_bufs[i] = None
         mask_state.current = mask
-        if self.param_comm_dtype is not None:  # 8- or 4-bit updates of the model copy
+        if self.param_comm_dtype is not None:  # 8-, 6- or 4-bit updates of the model copy
             wire = ParamWire(b.world, mask_state.n_local, mask.shape[1], self.block_size,
                              PARAM_BITS[self.param_comm_dtype])
             part = wire.code(self.shards[i].master, b.param_flat[b.shard], rows)
