@@ -26,7 +26,8 @@ PUBLIC = {
                         "REDUCE_OPS"},
     "scape.buffers": {"Bucket", "DENSE_ALIGN", "flat_layout"},
     "scape.profiling": {"phase"},
-    "scape.wire": {"PARAM_BITS", "fused_segment_bytes", "mask_bytes", "segment_bytes"},
+    "scape.wire": {"PARAM_BITS", "fused_segment_bytes", "mask_bytes", "segment_bytes",
+                   "ParamWire"},  # (bench.research.update_codes recodes its segments)
 }
 """The library surface the benchmarks may use: module -> the names they may take from it
 (None: every public name)."""

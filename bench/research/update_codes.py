@@ -1,0 +1,192 @@
+"""A research hook on the 8-bit parameter wire: what its rows hold, and another 8-bit code.
+
+With ``param_comm_dtype=torch.int8`` a sparse step's owner sends ``delta = master - model``
+at its mask entries coded on 255 uniform levels of each mask row's absmax
+(:class:`scape.wire.ParamWire`). For ``RunConfig.hooks`` (``{"bench.research.update_codes:
+factory": {"code": "e4m3", "stats_every": 37}}``) this hook
+
+- with ``code="e4m3"`` codes ``delta`` as fp8 e4m3 of ``delta / (s / 448)`` instead (``s`` the
+  row's absmax; ``torch.float8_e4m3fn``, rounded to nearest even): the same bytes (one code a
+  coordinate, one fp32 scale a row), an error of at most 1/16 of each entry's own ``|delta|``
+  (``s / 448 * 2**-10`` below e4m3's normals) where the uniform code leaves up to ``s / 255`` on
+  every entry; every rank decodes the same bytes, so the replicas stay identical;
+- with ``stats_every=N`` records, on rank 0, every N-th coded bucket-step's row statistics:
+  quantiles of ``|delta| / s``, the share of entries below ``s / 255`` and ``s / 15``, and
+  each code's error (the uniform 8- and 4-bit codes' and e4m3's, whichever is sent) as the L1
+  norm of the error over the L1 norm of ``delta`` and as the median of an entry's error over
+  its ``|delta|``; :meth:`UpdateCodes.result` returns them;
+- with ``close_at_end=True`` sets every rank's model copy to the masters after the run's last
+  step, so the final evaluation reads the masters: what the gaps left at the end cost.
+
+It replaces the methods of :class:`scape.wire.ParamWire` for the whole process (a launched
+rank is a process of its own). Neither is a way to train: the e4m3 code was
+tried and not kept (docs/research.md, "The parameter updates' rows, and fp8 e4m3 updates").
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from scape.kernels import gather, pack_values, scatter_, unpack_values
+from scape.wire import ParamWire
+
+E4M3_MAX = 448.0
+"""e4m3's largest finite value: a row's absmax codes to it."""
+QUANTILES = (0.1, 0.25, 0.5, 0.75, 0.9)
+"""The quantiles of ``|delta| / s`` recorded."""
+
+
+def e4m3_code(delta: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(scales, codes)``: fp32 ``s / 448`` per row of ``k`` (1 for a row of zeros) and the
+    uint8 bytes of ``delta / scale`` in fp8 e4m3."""
+    x = delta.view(-1, k)
+    s = x.abs().amax(dim=1) / E4M3_MAX
+    s = torch.where(s > 0, s, torch.ones_like(s))
+    q = (x / s.view(-1, 1)).clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return s, q.view(torch.uint8).view(-1)
+
+
+def e4m3_decode(codes: torch.Tensor, scales: torch.Tensor, k: int) -> torch.Tensor:
+    """The fp32 values of :func:`e4m3_code`'s bytes."""
+    return (codes.view(torch.float8_e4m3fn).float().view(-1, k) * scales.view(-1, 1)).view(-1)
+
+
+def row_stats(delta: torch.Tensor, k: int) -> dict[str, Any]:
+    """The statistics of one bucket-step's ``delta`` rows of ``k`` (module docstring)."""
+    x = delta.view(-1, k)
+    s = x.abs().amax(dim=1, keepdim=True)
+    keep = s.view(-1) > 0
+    x, s = x[keep], s[keep]
+    flat = x.reshape(-1).contiguous()
+    ratio = (flat.abs().view(-1, k) / s).view(-1)
+    out: dict[str, Any] = {
+        "rows": int(x.shape[0]), "k": k,
+        "ratio_q": torch.quantile(ratio, torch.tensor(QUANTILES)).tolist(),
+        "frac_below_1_255": float((ratio < 1 / 255).float().mean()),
+        "frac_below_1_15": float((ratio < 1 / 15).float().mean())}
+    decoded = {f"uniform{bits}": unpack_values(pack_values(flat, s.view(-1), k, bits),
+                                               s.view(-1), k, bits, flat.numel())
+               for bits in (8, 4)}
+    sc, codes = e4m3_code(flat, k)
+    decoded["e4m3"] = e4m3_decode(codes, sc, k)
+    l1, mag = flat.abs().sum(), flat.abs().clamp(min=1e-30)
+    for name, dec in decoded.items():
+        err = (dec - flat).abs()
+        out[f"{name}_l1_err"] = float(err.sum() / l1)
+        out[f"{name}_rel_err_median"] = float((err / mag).median())
+    return out
+
+
+def e4m3_segment(wire: ParamWire, master: torch.Tensor, model_shard: torch.Tensor,
+                 rows: torch.Tensor) -> torch.Tensor:
+    """:meth:`scape.wire.ParamWire.code`'s segment with e4m3 codes: ``[n fp32 scales | n k
+    codes | zero bytes to the segment's size]``."""
+    n, k = wire.n_local, wire.k
+    delta = gather(master, rows, wire.block_size)
+    delta.sub_(gather(model_shard, rows, wire.block_size, out_dtype=torch.float32))
+    scales, codes = e4m3_code(delta, k)
+    parts = [scales.view(torch.uint8), codes]
+    pad = wire.seg - 4 * n - n * k
+    if pad:
+        parts.append(torch.zeros(pad, dtype=torch.uint8, device=codes.device))
+    return torch.cat(parts)
+
+
+def e4m3_apply(wire: ParamWire, param_flat: torch.Tensor, mask: torch.Tensor,
+               segs: torch.Tensor) -> None:
+    """:meth:`scape.wire.ParamWire.apply` of :func:`e4m3_segment`'s segments."""
+    n, k = wire.n_local, wire.k
+    scales = segs[:, :4 * n].contiguous().view(torch.float32).view(-1)
+    codes = segs[:, 4 * n:4 * n + n * k].contiguous().view(-1)
+    values = e4m3_decode(codes, scales, k)
+    values.add_(gather(param_flat, mask, wire.block_size, out_dtype=torch.float32))
+    scatter_(param_flat, mask, wire.block_size, values)
+
+
+class UpdateCodes:
+    """The hook's state: the statistics recorded (module docstring). Built, it replaces
+    :meth:`scape.wire.ParamWire.code` and :meth:`~scape.wire.ParamWire.apply` for the process."""
+
+    def __init__(self, code: str, stats_every: int, rank: int) -> None:
+        self.code, self.stats_every, self.rank = code, stats_every, rank
+        self.calls = 0
+        self.stats: list[dict[str, Any]] = []
+        self.closed = False
+        code_of, apply_of = ParamWire.code, ParamWire.apply  # the library's
+        hook = self
+
+        def coded(wire: ParamWire, master: torch.Tensor, model_shard: torch.Tensor,
+                  rows: torch.Tensor) -> torch.Tensor:
+            hook.record(wire, master, model_shard, rows)
+            if code == "e4m3" and wire.bits == 8:
+                return e4m3_segment(wire, master, model_shard, rows)
+            return code_of(wire, master, model_shard, rows)
+
+        def applied(wire: ParamWire, param_flat: torch.Tensor, mask: torch.Tensor,
+                    segs: torch.Tensor) -> None:
+            if code == "e4m3" and wire.bits == 8:
+                return e4m3_apply(wire, param_flat, mask, segs)
+            return apply_of(wire, param_flat, mask, segs)
+
+        ParamWire.code = coded  # type: ignore[method-assign]
+        ParamWire.apply = applied  # type: ignore[method-assign]
+
+    def record(self, wire: ParamWire, master: torch.Tensor, model_shard: torch.Tensor,
+               rows: torch.Tensor) -> None:
+        """Count a coded bucket-step; on rank 0 every ``stats_every``-th, its statistics."""
+        self.calls += 1
+        if self.stats_every and self.rank == 0 and self.calls % self.stats_every == 0:
+            delta = gather(master, rows, wire.block_size)
+            delta.sub_(gather(model_shard, rows, wire.block_size, out_dtype=torch.float32))
+            self.stats.append({"call": self.calls, **row_stats(delta, wire.k)})
+
+    def close_gaps(self, opt: Any) -> None:
+        """Every rank's model copy becomes the owners' fp32 masters in the model's dtype (one
+        all-gather of the parameters per bucket, a dense step's parameter bytes), as a load
+        does (:func:`scape.checkpoint.finish_load`)."""
+        opt.finish_param_sync()
+        for b, s in zip(opt.buckets, opt.shards):
+            opt.comm.all_gather(b.param_flat, s.master.to(b.dtype)).wait()
+            b.publish()
+        self.closed = True
+
+    def result(self) -> dict[str, Any]:
+        return {"code": self.code, "stats_every": self.stats_every, "calls": self.calls,
+                "closed_at_end": self.closed, "stats": self.stats}
+
+
+class _ClosingAtEnd(UpdateCodes):
+    """:class:`UpdateCodes` that closes the gaps after the run's last step, so the final
+    evaluation reads the masters (the curve before it is the run's own)."""
+
+    def __init__(self, code: str, stats_every: int, rank: int, opt: Any, last: int) -> None:
+        super().__init__(code, stats_every, rank)
+        self.opt, self.last = opt, last
+
+    def after_step(self, step: int) -> None:
+        if step == self.last:
+            self.close_gaps(self.opt)
+
+
+def factory(cfg: Any, module: torch.nn.Module, opt: Any, code: str = "uniform",
+            stats_every: int = 0, close_at_end: bool = False) -> UpdateCodes:
+    """``RunConfig.hooks`` factory (module docstring): ``code`` ``"uniform"`` (the library's)
+    or ``"e4m3"``; ``stats_every`` 0 records nothing; ``close_at_end`` closes every gap
+    between master and model copy after step ``cfg.steps`` (:meth:`UpdateCodes.close_gaps`),
+    so the final evaluation reads the masters."""
+    if code not in ("uniform", "e4m3"):
+        raise ValueError(f"bench.research.update_codes: code must be 'uniform' or 'e4m3'; "
+                         f"got {code!r}")
+    if isinstance(stats_every, bool) or not isinstance(stats_every, int) or stats_every < 0:
+        raise ValueError(f"bench.research.update_codes: stats_every must be an int >= 0; "
+                         f"got {stats_every!r}")
+    if getattr(opt, "param_comm_dtype", None) != torch.int8:
+        raise ValueError("bench.research.update_codes needs scape.SCAPE with "
+                         "param_comm_dtype=torch.int8 (its bytes are the 8-bit wire's); got "
+                         f"{type(opt).__name__} with "
+                         f"{getattr(opt, 'param_comm_dtype', None)!r}")
+    if close_at_end:
+        return _ClosingAtEnd(code, stats_every, opt.comm.rank, opt, cfg.steps - 1)
+    return UpdateCodes(code, stats_every, opt.comm.rank)
