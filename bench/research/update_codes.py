@@ -79,13 +79,18 @@ def row_stats(delta: torch.Tensor, k: int) -> dict[str, Any]:
     return out
 
 
-def e4m3_segment(wire: ParamWire, master: torch.Tensor, model_shard: torch.Tensor,
+def update_delta(wire: ParamWire, master: torch.Tensor, model_shard: torch.Tensor,
                  rows: torch.Tensor) -> torch.Tensor:
-    """:meth:`scape.wire.ParamWire.code`'s segment with e4m3 codes: ``[n fp32 scales | n k
-    codes | zero bytes to the segment's size]``."""
-    n, k = wire.n_local, wire.k
+    """What :meth:`scape.wire.ParamWire.code` codes: ``master - model_shard`` (fp32) at the
+    owner's mask ``rows``."""
     delta = gather(master, rows, wire.block_size)
-    delta.sub_(gather(model_shard, rows, wire.block_size, out_dtype=torch.float32))
+    return delta.sub_(gather(model_shard, rows, wire.block_size, out_dtype=torch.float32))
+
+
+def e4m3_segment(wire: ParamWire, delta: torch.Tensor) -> torch.Tensor:
+    """:meth:`scape.wire.ParamWire.code`'s segment of ``delta`` (:func:`update_delta`) with
+    e4m3 codes: ``[n fp32 scales | n k codes | zero bytes to the segment's size]``."""
+    n, k = wire.n_local, wire.k
     scales, codes = e4m3_code(delta, k)
     parts = [scales.view(torch.uint8), codes]
     pad = wire.seg - 4 * n - n * k
@@ -106,11 +111,14 @@ def e4m3_apply(wire: ParamWire, param_flat: torch.Tensor, mask: torch.Tensor,
 
 
 class UpdateCodes:
-    """The hook's state: the statistics recorded (module docstring). Built, it replaces
+    """The hook's state: the statistics recorded (module docstring); with ``close_after`` a
+    step index, :meth:`close_gaps` of ``opt`` after that step. Built, it replaces
     :meth:`scape.wire.ParamWire.code` and :meth:`~scape.wire.ParamWire.apply` for the process."""
 
-    def __init__(self, code: str, stats_every: int, rank: int) -> None:
+    def __init__(self, code: str, stats_every: int, rank: int, opt: Any = None,
+                 close_after: int | None = None) -> None:
         self.code, self.stats_every, self.rank = code, stats_every, rank
+        self.opt, self.close_after = opt, close_after
         self.calls = 0
         self.stats: list[dict[str, Any]] = []
         self.closed = False
@@ -119,9 +127,17 @@ class UpdateCodes:
 
         def coded(wire: ParamWire, master: torch.Tensor, model_shard: torch.Tensor,
                   rows: torch.Tensor) -> torch.Tensor:
-            hook.record(wire, master, model_shard, rows)
-            if code == "e4m3" and wire.bits == 8:
-                return e4m3_segment(wire, master, model_shard, rows)
+            hook.calls += 1
+            sampled = bool(hook.stats_every) and hook.rank == 0 \
+                and hook.calls % hook.stats_every == 0
+            e4m3 = code == "e4m3" and wire.bits == 8
+            if not (sampled or e4m3):
+                return code_of(wire, master, model_shard, rows)
+            delta = update_delta(wire, master, model_shard, rows)
+            if sampled:
+                hook.stats.append({"call": hook.calls, **row_stats(delta, wire.k)})
+            if e4m3:
+                return e4m3_segment(wire, delta)
             return code_of(wire, master, model_shard, rows)
 
         def applied(wire: ParamWire, param_flat: torch.Tensor, mask: torch.Tensor,
@@ -133,15 +149,6 @@ class UpdateCodes:
         ParamWire.code = coded  # type: ignore[method-assign]
         ParamWire.apply = applied  # type: ignore[method-assign]
 
-    def record(self, wire: ParamWire, master: torch.Tensor, model_shard: torch.Tensor,
-               rows: torch.Tensor) -> None:
-        """Count a coded bucket-step; on rank 0 every ``stats_every``-th, its statistics."""
-        self.calls += 1
-        if self.stats_every and self.rank == 0 and self.calls % self.stats_every == 0:
-            delta = gather(master, rows, wire.block_size)
-            delta.sub_(gather(model_shard, rows, wire.block_size, out_dtype=torch.float32))
-            self.stats.append({"call": self.calls, **row_stats(delta, wire.k)})
-
     def close_gaps(self, opt: Any) -> None:
         """Every rank's model copy becomes the owners' fp32 masters in the model's dtype (one
         all-gather of the parameters per bucket, a dense step's parameter bytes), as a load
@@ -152,22 +159,14 @@ class UpdateCodes:
             b.publish()
         self.closed = True
 
+    def after_step(self, step: int) -> None:
+        """``RunConfig.hooks``' call after each step: close the gaps after ``close_after``."""
+        if step == self.close_after:
+            self.close_gaps(self.opt)
+
     def result(self) -> dict[str, Any]:
         return {"code": self.code, "stats_every": self.stats_every, "calls": self.calls,
                 "closed_at_end": self.closed, "stats": self.stats}
-
-
-class _ClosingAtEnd(UpdateCodes):
-    """:class:`UpdateCodes` that closes the gaps after the run's last step, so the final
-    evaluation reads the masters (the curve before it is the run's own)."""
-
-    def __init__(self, code: str, stats_every: int, rank: int, opt: Any, last: int) -> None:
-        super().__init__(code, stats_every, rank)
-        self.opt, self.last = opt, last
-
-    def after_step(self, step: int) -> None:
-        if step == self.last:
-            self.close_gaps(self.opt)
 
 
 def factory(cfg: Any, module: torch.nn.Module, opt: Any, code: str = "uniform",
@@ -187,6 +186,5 @@ def factory(cfg: Any, module: torch.nn.Module, opt: Any, code: str = "uniform",
                          "param_comm_dtype=torch.int8 (its bytes are the 8-bit wire's); got "
                          f"{type(opt).__name__} with "
                          f"{getattr(opt, 'param_comm_dtype', None)!r}")
-    if close_at_end:
-        return _ClosingAtEnd(code, stats_every, opt.comm.rank, opt, cfg.steps - 1)
-    return UpdateCodes(code, stats_every, opt.comm.rank)
+    return UpdateCodes(code, stats_every, opt.comm.rank, opt,
+                       cfg.steps - 1 if close_at_end else None)

@@ -20,9 +20,8 @@ import json
 
 import torch
 
+from bench.research.update_codes import e4m3_code, e4m3_decode
 from scape.kernels import pack_values, unpack_values
-
-E4M3_MAX = 448.0
 
 
 def codes(x: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -34,8 +33,8 @@ def codes(x: torch.Tensor) -> dict[str, torch.Tensor]:
     for bits in (8, 4):
         packed = pack_values(flat, s, k, bits)
         out[f"uniform{bits}"] = unpack_values(packed, s, k, bits, flat.numel()).view(rows, k)
-    scale = torch.where(s == 0, 1.0, s / E4M3_MAX).view(-1, 1)
-    out["e4m3"] = (x / scale).to(torch.float8_e4m3fn).float() * scale
+    scales, q = e4m3_code(flat, k)
+    out["e4m3"] = e4m3_decode(q, scales, k).view(rows, k)
     return out
 
 
