@@ -80,6 +80,7 @@ def test_the_deadline_kills_every_rank(tmp_path):
     (dict(world=2, timeout_s=0), "timeout_s must be > 0"),
     (dict(world=2, backend="mpi"), "backend must be"),
     (dict(world=2, netns=["a"]), "one per rank"),
+    (dict(world=2, start="fork"), "start must be"),
 ])
 def test_bad_specs_raise(kw, match):
     with pytest.raises(ValueError, match=match):
@@ -118,3 +119,32 @@ def test_a_rank_killed_in_the_middle_of_a_message_does_not_hang_the_driver():
     (out,) = done[0]
     assert not out.ok and out.exitcode == -9 and "without reporting" in out.error
     assert seen == ["first"]
+
+
+def _environment(rank, world, names):
+    import sys
+
+    return {n: os.environ.get(n) for n in names}, os.getppid(), "triton" in sys.modules
+
+
+@pytest.mark.parametrize("start", ["forkserver", "spawn"])
+def test_a_rank_starts_from_the_drivers_environment_at_the_launch(monkeypatch, start):
+    """What the driver's environment holds when it launches (not when a forkserver started),
+    then ``Ranks.env`` over it; a variable the driver dropped is gone; nothing of SCAPE or
+    triton was imported before the rank's own code (its kernels read ``TRITON_INTERPRET``
+    from the rank's environment)."""
+    names = ["SCAPE_LAUNCH_A", "SCAPE_LAUNCH_B", "SCAPE_LAUNCH_GONE"]
+    monkeypatch.setenv("SCAPE_LAUNCH_GONE", "1")
+    launch(_environment, Ranks(world=1, timeout_s=60, threads=1, start=start), names)
+    monkeypatch.delenv("SCAPE_LAUNCH_GONE")  # after any server started
+    monkeypatch.setenv("SCAPE_LAUNCH_A", "driver")
+    monkeypatch.setenv("SCAPE_LAUNCH_B", "driver")
+    out = launch(_environment, Ranks(world=2, timeout_s=60, threads=1, start=start,
+                                     env={"SCAPE_LAUNCH_B": "env"}), names)
+    assert all(o.ok for o in out), [o.error for o in out]
+    for o in out:
+        seen, parent, triton = o.result
+        assert seen == {"SCAPE_LAUNCH_A": "driver", "SCAPE_LAUNCH_B": "env",
+                        "SCAPE_LAUNCH_GONE": None}
+        assert not triton
+        assert (parent == os.getpid()) == (start == "spawn")  # forked: the server's child

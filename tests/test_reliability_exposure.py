@@ -154,7 +154,7 @@ def _unique_id_body(rank, world):
 def test_nccl_unique_id_never_logged():
     results = run_ranks(_unique_id_body, 2, timeout=120,
                         env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL", "TORCH_CPP_LOG_LEVEL": "INFO",
-                             "NCCL_DEBUG": "INFO"})
+                             "NCCL_DEBUG": "INFO"}, start="spawn")
     uid = results[0][1]
     for handed, _, text, fds, threads in results:
         assert handed == [uid], "the library was not handed rank 0's id"

@@ -1,10 +1,14 @@
-"""The one launcher of multi-rank runs: W spawned processes, a process group over a file store,
-an outer deadline, and every process killed on the way out, whatever happens.
+"""The one launcher of multi-rank runs: W processes, a process group over a file store, an
+outer deadline, and every process killed on the way out, whatever happens.
 
     outcomes = launch(fn, Ranks(world=4, timeout_s=120), x)   # fn(rank, world, x) per rank
     results = [o.result for o in outcomes]                     # if every o.ok
 
-Each rank enters its network namespace first (``Ranks.netns``: the emulated nodes of
+The ranks fork from a server process that imported torch once for the driver
+(``Ranks.start="forkserver"``, where the platform has it), so a launch costs W forks, not W
+interpreters importing torch (several seconds of CPU a rank); ``"spawn"`` starts each from a
+fresh interpreter. Either way a rank starts from the driver's environment at the launch, then
+``Ranks.env``. Each rank enters its network namespace first (``Ranks.netns``: the emulated nodes of
 :mod:`bench.engine.netns_nodes`), asks the kernel to end it with the driver (Linux), sets its torch
 threads, joins the process group (gloo, or NCCL with rank r on GPU r), runs ``fn(rank,
 world, *args)`` and reports what it returned, or its traceback, through a pipe of its own
@@ -58,7 +62,14 @@ class Ranks:
     threads: int | None = None
     """torch threads per rank (default: the cores divided among the ranks)."""
     env: dict[str, str] = dataclasses.field(default_factory=dict)
-    """Environment variables set in every rank before anything else."""
+    """Environment variables set in every rank, over the driver's, before anything else runs
+    in it. With ``start="forkserver"`` torch was imported before (in the server, with the
+    driver's environment at its first launch): a variable that torch reads only at import
+    (``TORCH_CPP_LOG_LEVEL``) needs ``start="spawn"``."""
+    start: str = "forkserver"
+    """``"forkserver"``: ranks fork from one server per driver that imported torch (module
+    docstring; ``"spawn"`` where the platform has no forkserver), or ``"spawn"``: a fresh
+    interpreter per rank."""
     netns: list[str] | None = None
     """Per rank, the network namespace it enters first (:mod:`bench.engine.netns_nodes`); its gloo
     then uses the namespace's node interface."""
@@ -74,6 +85,8 @@ class Ranks:
             raise ValueError(f"Ranks.world must be an int >= 1, got {self.world!r}")
         if not self.timeout_s > 0:
             raise ValueError(f"Ranks.timeout_s must be > 0, got {self.timeout_s!r}")
+        if self.start not in ("forkserver", "spawn"):
+            raise ValueError(f"Ranks.start must be 'forkserver' or 'spawn', got {self.start!r}")
         if self.backend not in ("gloo", "nccl"):
             raise ValueError(f"Ranks.backend must be 'gloo' or 'nccl', got {self.backend!r}")
         if self.netns is not None and len(self.netns) != self.world:
@@ -111,23 +124,38 @@ PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 def end_with_parent(parent: int) -> None:
-    """On Linux, have the kernel SIGKILL this process when ``parent`` (the driver) ends,
-    however it ends: a SIGKILL of the driver runs none of its cleanup, and its ranks would
-    run on. Exits at once if ``parent`` is already gone. Elsewhere a no-op."""
+    """On Linux, have the kernel SIGKILL this process when its parent ends, however it ends: a
+    SIGKILL of the driver runs none of its cleanup, and its ranks would run on. The parent is
+    ``parent`` (the driver), or the forkserver the driver started, which exits when the driver
+    does. Exits at once if the parent or the driver is already gone. Elsewhere a no-op."""
     if not sys.platform.startswith("linux"):
         return
+    forked_by = os.getppid()
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
         return  # not allowed here (a sandbox): the driver's own cleanup is all there is
-    if os.getppid() != parent:  # the driver ended before the prctl
+    if os.getppid() != forked_by or not _alive(parent):  # it ended before the prctl
         os._exit(1)
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
 def _rank_entry(rank: int, spec: dict[str, Any], init_file: str, parent: int,
-                fn: Callable[..., Any], args: tuple, conn: Connection) -> None:
+                environ: dict[str, str], fn: Callable[..., Any], args: tuple,
+                conn: Connection) -> None:
     global _PIPE, _RANK
     _PIPE, _RANK = conn, rank
     end_with_parent(parent)
+    os.environ.clear()  # a forked rank holds the server's environment, not the driver's
+    os.environ.update(environ)
     os.environ.update(spec["env"])
     world = spec["world"]
     if spec["netns"] is not None:
@@ -189,14 +217,15 @@ def launch(fn: Callable[..., Any], spec: Ranks, *args: Any) -> list[RankOutcome]
     function); what ``fn`` returns must pickle by value (numpy arrays, not tensors, whose
     shared memory can go with the exiting rank)."""
     world = spec.world
-    ctx = mp.get_context("spawn")
+    ctx = _context(spec.start)
     pipes = [ctx.Pipe(duplex=False) for _ in range(world)]  # (driver's end, rank's end)
     raw = {k: v for k, v in dataclasses.asdict(spec).items() if k != "on_progress"}
     outcomes: dict[int, RankOutcome] = {}
     with tempfile.TemporaryDirectory(prefix="scape-ranks-") as tmp, sigterm_unwinds():
         init_file = os.path.join(tmp, "store")
-        procs = [ctx.Process(target=_rank_entry, args=(r, raw, init_file, os.getpid(), fn,
-                                                        args, pipes[r][1]), daemon=True)
+        environ = dict(os.environ)
+        procs = [ctx.Process(target=_rank_entry, args=(r, raw, init_file, os.getpid(), environ,
+                                                        fn, args, pipes[r][1]), daemon=True)
                  for r in range(world)]
         readers = [reader for reader, _ in pipes]
         for p, (_, writer) in zip(procs, pipes):
@@ -240,6 +269,20 @@ def launch(fn: Callable[..., Any], spec: Ranks, *args: Any) -> list[RankOutcome]
         o.exitcode = p.exitcode
         out.append(o)
     return out
+
+
+FORKSERVER_PRELOAD = ["bench.engine.preload"]
+"""What the forkserver imports before it forks a rank (:mod:`bench.engine.preload`: torch)."""
+
+
+def _context(start: str) -> Any:
+    """The multiprocessing context of ``Ranks.start``; the forkserver's preload is set before
+    its first use (the server is the process's one, started at its first launch)."""
+    if start == "forkserver" and "forkserver" in mp.get_all_start_methods():
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(FORKSERVER_PRELOAD)
+        return ctx
+    return mp.get_context("spawn")
 
 
 def _receive(readers: list[Connection], timeout: float) -> list[tuple[str, int, Any]]:

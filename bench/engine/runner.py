@@ -1,6 +1,6 @@
 """The training-run engine of the benchmarks: one optimizer, W ranks, one JSON-able result.
 
-``run(RunConfig(...))`` spawns W processes (torch.distributed, gloo over a file store on the
+``run(RunConfig(...))`` launches W processes (torch.distributed, gloo over a file store on the
 loopback -- it works inside a network namespace where only ``lo`` exists), and each rank trains
 the same :mod:`bench.workloads.gpt` model from the same seed on its disjoint share of the global
 batch (:func:`bench.workloads.data.batch_at`). Every optimizer sees the same data order, token
@@ -17,7 +17,7 @@ outside the timed region starts each step on every rank together, as a real run'
 do).
 
 The modules: :mod:`bench.engine.run_config` (the :class:`RunConfig` and its LR schedule),
-:mod:`bench.engine.run_rank` (the body of one rank), this one (spawn, collect, summarize, the CLI).
+:mod:`bench.engine.run_rank` (the body of one rank), this one (launch, collect, summarize, the CLI).
 
 What is measured, per rank and step (a step = ``grad_accum`` forward/backward passes and the
 optimizer step; data sampling and evaluation are outside it):
@@ -70,7 +70,7 @@ def _median(xs: list[float]) -> float | None:
 
 # --------------------------------------------------------------------------- the driver
 def run(cfg: RunConfig) -> dict[str, Any]:
-    """Train ``cfg`` on ``cfg.world`` spawned ranks (:mod:`bench.engine.launch`) and return
+    """Train ``cfg`` on ``cfg.world`` ranks (:mod:`bench.engine.launch`) and return
     the summary dict.
 
     Raises ``RuntimeError`` with every failing rank's traceback, or ``TimeoutError`` after
