@@ -1,8 +1,9 @@
 """bench.research.update_codes, the research hook on the 8-bit parameter wire: with the e4m3
 code every replica applies the same bytes and the gap left at a sent entry is within 1/16 of
-its own update, and closing the gaps makes the model copy the masters; the recording alone
-changes nothing (bit for bit the library's run); the statistics are rank 0's; wires it does
-not fit are refused."""
+its own update, and closing the gaps makes the model copy the masters (after the last step,
+and after every N-th with ``close_every``); with ``follow`` the owner's master equals every
+replica after each step, for both codes; the recording alone changes nothing (bit for bit the
+library's run); the statistics are rank 0's; wires and options it does not fit are refused."""
 
 from __future__ import annotations
 
@@ -118,3 +119,57 @@ def test_wires_it_does_not_fit_are_refused():
         update_codes.factory(None, torch.nn.Module(), opt8, code="fp4")
     with pytest.raises(ValueError, match="stats_every must be an int >= 0"):
         update_codes.factory(None, torch.nn.Module(), opt8, stats_every=-1)
+    with pytest.raises(ValueError, match="close_every must be an int >= 0"):
+        update_codes.factory(None, torch.nn.Module(), opt8, close_every=-2)
+    with pytest.raises(ValueError, match="follow must be a bool"):
+        update_codes.factory(None, torch.nn.Module(), opt8, follow=1)
+
+
+def _follow_body(rank: int, world: int, steps: int, code: str) -> dict:
+    params = _params()
+    opt = _opt(params)
+    update_codes.factory(None, torch.nn.Module(), opt, code=code, follow=True)
+    b, s = opt.buckets[0], opt.shards[0]
+    sparse, moved = 0, 0.0
+    for t in range(1, steps + 1):
+        model0 = b.param_flat.clone()
+        _grads(params, t, rank)
+        opt.step()
+        opt.finish_param_sync()
+        out = [torch.full_like(b.param_flat, float("nan")) for _ in range(world)]
+        dist.all_gather(out, b.param_flat)
+        assert all(torch.equal(o, out[0]) for o in out), f"step {t}: replicas differ"
+        # the owner's master is what every rank stored: no gap, on the mask or off it
+        assert torch.equal(s.master, b.param_flat[b.shard]), f"step {t}: a gap is left"
+        if opt.last_sync[0]["mask"] is not None:
+            sparse += 1
+            moved += float((b.param_flat - model0).abs().sum())
+    return {"sparse": sparse, "moved": moved}
+
+
+@pytest.mark.parametrize("code", ["uniform", "e4m3"])
+def test_following_leaves_the_master_equal_to_every_replica(code):
+    results = run_ranks(_follow_body, 2, 10, code, timeout=180)
+    assert all(r["sparse"] > 0 and r["moved"] > 0 for r in results)
+
+
+def _close_every_body(rank: int, world: int, steps: int) -> list[bool]:
+    params = _params()
+    opt = _opt(params)
+    hook = update_codes.factory(None, torch.nn.Module(), opt, close_every=3)
+    b, s = opt.buckets[0], opt.shards[0]
+    closed = []
+    for t in range(steps):
+        _grads(params, t + 1, rank)
+        opt.step()
+        hook.after_step(t)
+        opt.finish_param_sync()
+        closed.append(torch.equal(s.master, b.param_flat[b.shard]))
+    assert hook.result()["closes"] == steps // 3
+    return closed
+
+
+def test_closing_every_third_step_closes_the_gaps_then():
+    for closed in run_ranks(_close_every_body, 2, 9, timeout=180):
+        assert closed[2] and closed[5] and closed[8]
+        assert not all(closed), "no gap opened between the closes"

@@ -16,7 +16,13 @@ factory": {"code": "e4m3", "stats_every": 37}}``) this hook
   norm of the error over the L1 norm of ``delta`` and as the median of an entry's error over
   its ``|delta|``; :meth:`UpdateCodes.result` returns them;
 - with ``close_at_end=True`` sets every rank's model copy to the masters after the run's last
-  step, so the final evaluation reads the masters: what the gaps left at the end cost.
+  step, so the final evaluation reads the masters: what the gaps left at the end cost;
+- with ``close_every=N`` does the same after every N-th step (one all-gather of the
+  parameters each time, a dense step's parameter bytes): what the gaps cost while they last;
+- with ``follow=True`` the owner sets its master to the model copy at every entry it sends
+  (the fp32 sum every rank stores, before the model's dtype rounds it): the code's error is
+  dropped instead of carried to the entry's next send, so the model copy never trails the
+  master (zero bytes; the updates lose each send's coding error).
 
 It replaces the methods of :class:`scape.wire.ParamWire` for the whole process (a launched
 rank is a process of its own). Neither is a way to train: the e4m3 code was
@@ -116,9 +122,12 @@ class UpdateCodes:
     :meth:`scape.wire.ParamWire.code` and :meth:`~scape.wire.ParamWire.apply` for the process."""
 
     def __init__(self, code: str, stats_every: int, rank: int, opt: Any = None,
-                 close_after: int | None = None) -> None:
+                 close_after: int | None = None, close_every: int = 0,
+                 follow: bool = False) -> None:
         self.code, self.stats_every, self.rank = code, stats_every, rank
         self.opt, self.close_after = opt, close_after
+        self.close_every, self.follow = close_every, follow
+        self.closes = 0
         self.calls = 0
         self.stats: list[dict[str, Any]] = []
         self.closed = False
@@ -131,14 +140,18 @@ class UpdateCodes:
             sampled = bool(hook.stats_every) and hook.rank == 0 \
                 and hook.calls % hook.stats_every == 0
             e4m3 = code == "e4m3" and wire.bits == 8
-            if not (sampled or e4m3):
+            if not (sampled or e4m3 or hook.follow):
                 return code_of(wire, master, model_shard, rows)
             delta = update_delta(wire, master, model_shard, rows)
             if sampled:
                 hook.stats.append({"call": hook.calls, **row_stats(delta, wire.k)})
-            if e4m3:
-                return e4m3_segment(wire, delta)
-            return code_of(wire, master, model_shard, rows)
+            seg = e4m3_segment(wire, delta) if e4m3 else code_of(wire, master, model_shard, rows)
+            if hook.follow:  # what every rank will store, in fp32, becomes the master there
+                own = ParamWire(1, wire.n_local, wire.k, wire.block_size, wire.bits)
+                landed = model_shard.to(torch.float32, copy=True)
+                applied(own, landed, rows, seg.view(1, -1))
+                scatter_(master, rows, wire.block_size, gather(landed, rows, wire.block_size))
+            return seg
 
         def applied(wire: ParamWire, param_flat: torch.Tensor, mask: torch.Tensor,
                     segs: torch.Tensor) -> None:
@@ -160,31 +173,42 @@ class UpdateCodes:
         self.closed = True
 
     def after_step(self, step: int) -> None:
-        """``RunConfig.hooks``' call after each step: close the gaps after ``close_after``."""
-        if step == self.close_after:
+        """``RunConfig.hooks``' call after each step: close the gaps after ``close_after`` and
+        after every ``close_every``-th step."""
+        if step == self.close_after or (self.close_every and (step + 1) % self.close_every == 0):
             self.close_gaps(self.opt)
+            self.closes += 1
 
     def result(self) -> dict[str, Any]:
         return {"code": self.code, "stats_every": self.stats_every, "calls": self.calls,
-                "closed_at_end": self.closed, "stats": self.stats}
+                "closed_at_end": self.closed, "closes": self.closes,
+                "close_every": self.close_every, "follow": self.follow, "stats": self.stats}
 
 
 def factory(cfg: Any, module: torch.nn.Module, opt: Any, code: str = "uniform",
-            stats_every: int = 0, close_at_end: bool = False) -> UpdateCodes:
+            stats_every: int = 0, close_at_end: bool = False, close_every: int = 0,
+            follow: bool = False) -> UpdateCodes:
     """``RunConfig.hooks`` factory (module docstring): ``code`` ``"uniform"`` (the library's)
     or ``"e4m3"``; ``stats_every`` 0 records nothing; ``close_at_end`` closes every gap
     between master and model copy after step ``cfg.steps`` (:meth:`UpdateCodes.close_gaps`),
-    so the final evaluation reads the masters."""
+    so the final evaluation reads the masters; ``close_every`` N > 0 closes them after every
+    N-th step too; ``follow`` drops each send's coding error (module docstring)."""
     if code not in ("uniform", "e4m3"):
         raise ValueError(f"bench.research.update_codes: code must be 'uniform' or 'e4m3'; "
                          f"got {code!r}")
     if isinstance(stats_every, bool) or not isinstance(stats_every, int) or stats_every < 0:
         raise ValueError(f"bench.research.update_codes: stats_every must be an int >= 0; "
                          f"got {stats_every!r}")
+    for name, v in (("close_every", close_every),):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ValueError(f"bench.research.update_codes: {name} must be an int >= 0; "
+                             f"got {v!r}")
+    if not isinstance(follow, bool):
+        raise ValueError(f"bench.research.update_codes: follow must be a bool; got {follow!r}")
     if getattr(opt, "param_comm_dtype", None) != torch.int8:
         raise ValueError("bench.research.update_codes needs scape.SCAPE with "
                          "param_comm_dtype=torch.int8 (its bytes are the 8-bit wire's); got "
                          f"{type(opt).__name__} with "
                          f"{getattr(opt, 'param_comm_dtype', None)!r}")
     return UpdateCodes(code, stats_every, opt.comm.rank, opt,
-                       cfg.steps - 1 if close_at_end else None)
+                       cfg.steps - 1 if close_at_end else None, close_every, follow)
