@@ -2,8 +2,10 @@
 code every replica applies the same bytes and the gap left at a sent entry is within 1/16 of
 its own update, and closing the gaps makes the model copy the masters (after the last step,
 and after every N-th with ``close_every``); with ``follow`` the owner's master equals every
-replica after each step, for both codes; the recording alone changes nothing (bit for bit the
-library's run); the statistics are rank 0's; wires and options it does not fit are refused."""
+replica after each step, for both codes; with ``repay`` the replicas stay identical and the
+gaps of the previous mask shrink to within ``s / 3825``; the recording alone changes nothing
+(bit for bit the library's run); the statistics are rank 0's; wires and options it does not
+fit are refused."""
 
 from __future__ import annotations
 
@@ -70,7 +72,8 @@ def _e4m3_body(rank: int, world: int, steps: int) -> dict:
         assert torch.equal(s.master[rest], master0[rest]) and torch.equal(
             b.param_flat[b.shard][rest], model0[rest]), f"step {t}: moved off the mask"
     assert float((s.master - b.param_flat[b.shard]).abs().max()) > 0, "no gap to close"
-    hook.close_gaps(opt)
+    hook.close_after = steps  # as factory(close_at_end=True) sets it for a run of steps + 1
+    hook.after_step(steps)
     assert torch.equal(b.param_flat[b.shard], s.master), "a gap stayed"
     return {"sparse": sparse, **hook.result()}
 
@@ -123,6 +126,8 @@ def test_wires_it_does_not_fit_are_refused():
         update_codes.factory(None, torch.nn.Module(), opt8, close_every=-2)
     with pytest.raises(ValueError, match="follow must be a bool"):
         update_codes.factory(None, torch.nn.Module(), opt8, follow=1)
+    with pytest.raises(ValueError, match="repay takes the uniform code alone"):
+        update_codes.factory(None, torch.nn.Module(), opt8, code="e4m3", repay=True)
 
 
 def _follow_body(rank: int, world: int, steps: int, code: str) -> dict:
@@ -165,7 +170,7 @@ def _close_every_body(rank: int, world: int, steps: int) -> list[bool]:
         hook.after_step(t)
         opt.finish_param_sync()
         closed.append(torch.equal(s.master, b.param_flat[b.shard]))
-    assert hook.result()["closes"] == steps // 3
+    assert hook.result()["closes"] == steps // 3 and not hook.result()["closed_at_end"]
     return closed
 
 
@@ -173,3 +178,46 @@ def test_closing_every_third_step_closes_the_gaps_then():
     for closed in run_ranks(_close_every_body, 2, 9, timeout=180):
         assert closed[2] and closed[5] and closed[8]
         assert not all(closed), "no gap opened between the closes"
+
+
+def _repay_body(rank: int, world: int, steps: int) -> dict:
+    params = _params()
+    opt = _opt(params)
+    hook = update_codes.factory(None, torch.nn.Module(), opt, repay=True)
+    b, s = opt.buckets[0], opt.shards[0]
+    n_local = b.shard_size // BLOCK
+    key = s.master.data_ptr()
+
+    def flat(rows: torch.Tensor) -> torch.Tensor:
+        return (torch.arange(rows.shape[0])[:, None] * BLOCK + rows.long()).view(-1)
+
+    repaid, before, after = 0, 0.0, 0.0
+    for t in range(1, steps + 1):
+        prev = hook.repay.owned.get(key)
+        gap0 = (s.master - b.param_flat[b.shard]).abs()
+        _grads(params, t, rank)
+        opt.step()
+        opt.finish_param_sync()
+        out = [torch.full_like(b.param_flat, float("nan")) for _ in range(world)]
+        dist.all_gather(out, b.param_flat)
+        assert all(torch.equal(o, out[0]) for o in out), f"step {t}: replicas differ"
+        if prev is None or opt.last_sync[0]["mask"] is None:
+            continue
+        rows, scales = prev
+        cur = opt.last_sync[0]["mask"][rank * n_local:(rank + 1) * n_local]
+        at = flat(rows).view(n_local, -1)
+        keep = ~torch.isin(at, flat(cur))  # entries sent again now carry their gap anyway
+        gap = (s.master - b.param_flat[b.shard])[at.view(-1)].view(n_local, -1).abs()
+        bound = (scales / 255 / 15).view(-1, 1).expand_as(gap)
+        rounding = 1.2e-7 * b.param_flat[b.shard][at.view(-1)].view(n_local, -1).abs()
+        assert bool((gap[keep] <= bound[keep] * (1 + 1e-5) + rounding[keep]).all()), \
+            f"step {t}: a repaid gap over s / 3825"
+        repaid += 1
+        before += float(gap0[at.view(-1)].view(n_local, -1)[keep].sum())
+        after += float(gap[keep].sum())
+    return {"repaid": repaid, "before": before, "after": after}
+
+
+def test_repaying_keeps_replicas_identical_and_shrinks_the_last_masks_gaps():
+    for r in run_ranks(_repay_body, 2, 12, timeout=180):
+        assert r["repaid"] > 0 and 0 < r["after"] < r["before"] / 8, r

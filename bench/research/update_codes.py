@@ -22,11 +22,19 @@ factory": {"code": "e4m3", "stats_every": 37}}``) this hook
 - with ``follow=True`` the owner sets its master to the model copy at every entry it sends
   (the fp32 sum every rank stores, before the model's dtype rounds it): the code's error is
   dropped instead of carried to the entry's next send, so the model copy never trails the
-  master (zero bytes; the updates lose each send's coding error).
+  master (zero bytes; the updates lose each send's coding error);
+- with ``repay=True`` (the uniform code) each sparse step's segment starts with 4-bit codes of
+  the gaps the owner's previous sparse step left at its previous mask entries (each row coded
+  on 16 levels of ``s / 255``, ``s`` that row's previous scale, which every rank received:
+  no scales and no offsets on the wire, ``n k / 2`` bytes more a segment), applied on every
+  rank before the step's own updates, which the owner codes after them: an entry's coding
+  error is repaid one step later to within ``s / 3825``, the rest carried as before.
 
 It replaces the methods of :class:`scape.wire.ParamWire` for the whole process (a launched
-rank is a process of its own). Neither is a way to train: the e4m3 code was
-tried and not kept (docs/research.md, "The parameter updates' rows, and fp8 e4m3 updates").
+rank is a process of its own). None is a way to train: the e4m3 code was
+tried and not kept (docs/research.md, "The parameter updates' rows, and fp8 e4m3 updates"),
+nor was ``follow``, and ``close_every`` is a diagnostic at dense parameter bytes
+(docs/research.md, "The coded updates' gaps").
 """
 
 from __future__ import annotations
@@ -36,7 +44,8 @@ from typing import Any
 import torch
 
 from scape.kernels import gather, pack_values, scatter_, unpack_values
-from scape.wire import ParamWire
+from scape.kernels.pack import packed_nbytes
+from scape.wire import ParamWire, as_dtype
 
 E4M3_MAX = 448.0
 """e4m3's largest finite value: a row's absmax codes to it."""
@@ -116,6 +125,71 @@ def e4m3_apply(wire: ParamWire, param_flat: torch.Tensor, mask: torch.Tensor,
     scatter_(param_flat, mask, wire.block_size, values)
 
 
+REPAY_BITS = 4
+"""The width of :class:`Repay`'s codes."""
+
+
+def _add_at(flat: torch.Tensor, rows: torch.Tensor, block_size: int,
+            values: torch.Tensor) -> None:
+    """``flat[rows] += values`` in fp32, stored in ``flat``'s dtype (as
+    :meth:`scape.wire.ParamWire.apply` adds)."""
+    values = values.clone()
+    values.add_(gather(flat, rows, block_size, out_dtype=torch.float32))
+    scatter_(flat, rows, block_size, values)
+
+
+class Repay:
+    """What ``repay=True`` keeps between sparse steps (module docstring): per bucket, the
+    owner's previous mask rows and their scales (keyed by its master's storage) and every
+    rank's copy of the previous full mask and all owners' scales (keyed by the model's flat
+    buffer)."""
+
+    def __init__(self) -> None:
+        self.owned: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.seen: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    @staticmethod
+    def nbytes(rows: torch.Tensor) -> int:
+        """Bytes of one owner's repay codes for its previous ``rows`` (``[n, k]``)."""
+        return packed_nbytes(rows.numel(), REPAY_BITS)
+
+    def code(self, wire: ParamWire, code_of: Any, master: torch.Tensor,
+             model_shard: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """The owner's segment: ``[repay codes | the library's segment of master minus the
+        model copy as every rank will hold it after the repay]``."""
+        key, bs = master.data_ptr(), wire.block_size
+        landed = model_shard.to(torch.float32, copy=True)
+        parts = []
+        if key in self.owned:
+            prev, scales = self.owned[key]
+            k = prev.shape[1]
+            gap = gather(master, prev, bs).sub_(gather(landed, prev, bs))
+            rs = scales / 255.0
+            codes = pack_values(gap, rs, k, REPAY_BITS)
+            _add_at(landed, prev, bs, unpack_values(codes, rs, k, REPAY_BITS, gap.numel()))
+            landed = landed.to(model_shard.dtype).to(torch.float32)  # as the model stores it
+            parts.append(codes)
+        seg = code_of(wire, master, landed, rows)
+        self.owned[key] = (rows.clone(), seg[:4 * wire.n_local].clone().view(torch.float32))
+        return torch.cat(parts + [seg])
+
+    def apply(self, wire: ParamWire, apply_of: Any, param_flat: torch.Tensor,
+              mask: torch.Tensor, segs: torch.Tensor) -> None:
+        """Every rank: the repay at the previous mask, then the library's apply."""
+        key, bs, n = param_flat.data_ptr(), wire.block_size, wire.n_local
+        if key in self.seen:
+            prev, scales = self.seen[key]
+            k, rb = prev.shape[1], self.nbytes(prev[:n])
+            rs = scales / 255.0
+            values = torch.cat([unpack_values(segs[w, :rb].contiguous(), rs[w], k, REPAY_BITS,
+                                              n * k) for w in range(wire.world)])
+            _add_at(param_flat, prev, bs, values)
+            segs = segs[:, rb:]
+        apply_of(wire, param_flat, mask, segs)
+        self.seen[key] = (mask.clone(), as_dtype(segs[:, :4 * n], torch.float32).reshape(
+            wire.world, n).clone())
+
+
 class UpdateCodes:
     """The hook's state: the statistics recorded (module docstring); with ``close_after`` a
     step index, :meth:`close_gaps` of ``opt`` after that step. Built, it replaces
@@ -123,10 +197,11 @@ class UpdateCodes:
 
     def __init__(self, code: str, stats_every: int, rank: int, opt: Any = None,
                  close_after: int | None = None, close_every: int = 0,
-                 follow: bool = False) -> None:
+                 follow: bool = False, repay: bool = False) -> None:
         self.code, self.stats_every, self.rank = code, stats_every, rank
         self.opt, self.close_after = opt, close_after
         self.close_every, self.follow = close_every, follow
+        self.repay = Repay() if repay else None
         self.closes = 0
         self.calls = 0
         self.stats: list[dict[str, Any]] = []
@@ -137,6 +212,8 @@ class UpdateCodes:
         def coded(wire: ParamWire, master: torch.Tensor, model_shard: torch.Tensor,
                   rows: torch.Tensor) -> torch.Tensor:
             hook.calls += 1
+            if hook.repay is not None:
+                return hook.repay.code(wire, code_of, master, model_shard, rows)
             sampled = bool(hook.stats_every) and hook.rank == 0 \
                 and hook.calls % hook.stats_every == 0
             e4m3 = code == "e4m3" and wire.bits == 8
@@ -155,6 +232,8 @@ class UpdateCodes:
 
         def applied(wire: ParamWire, param_flat: torch.Tensor, mask: torch.Tensor,
                     segs: torch.Tensor) -> None:
+            if hook.repay is not None:
+                return hook.repay.apply(wire, apply_of, param_flat, mask, segs)
             if code == "e4m3" and wire.bits == 8:
                 return e4m3_apply(wire, param_flat, mask, segs)
             return apply_of(wire, param_flat, mask, segs)
@@ -170,7 +249,6 @@ class UpdateCodes:
         for b, s in zip(opt.buckets, opt.shards):
             opt.comm.all_gather(b.param_flat, s.master.to(b.dtype)).wait()
             b.publish()
-        self.closed = True
 
     def after_step(self, step: int) -> None:
         """``RunConfig.hooks``' call after each step: close the gaps after ``close_after`` and
@@ -178,21 +256,25 @@ class UpdateCodes:
         if step == self.close_after or (self.close_every and (step + 1) % self.close_every == 0):
             self.close_gaps(self.opt)
             self.closes += 1
+            self.closed = self.closed or step == self.close_after
 
     def result(self) -> dict[str, Any]:
         return {"code": self.code, "stats_every": self.stats_every, "calls": self.calls,
                 "closed_at_end": self.closed, "closes": self.closes,
-                "close_every": self.close_every, "follow": self.follow, "stats": self.stats}
+                "close_every": self.close_every, "follow": self.follow,
+                "repay": self.repay is not None, "stats": self.stats}
 
 
 def factory(cfg: Any, module: torch.nn.Module, opt: Any, code: str = "uniform",
             stats_every: int = 0, close_at_end: bool = False, close_every: int = 0,
-            follow: bool = False) -> UpdateCodes:
+            follow: bool = False, repay: bool = False) -> UpdateCodes:
     """``RunConfig.hooks`` factory (module docstring): ``code`` ``"uniform"`` (the library's)
     or ``"e4m3"``; ``stats_every`` 0 records nothing; ``close_at_end`` closes every gap
     between master and model copy after step ``cfg.steps`` (:meth:`UpdateCodes.close_gaps`),
     so the final evaluation reads the masters; ``close_every`` N > 0 closes them after every
-    N-th step too; ``follow`` drops each send's coding error (module docstring)."""
+    N-th step too; ``follow`` drops each send's coding error; ``repay`` repays it one step
+    later in 4-bit codes (module docstring; the uniform code only, without ``follow`` or
+    ``stats_every``)."""
     if code not in ("uniform", "e4m3"):
         raise ValueError(f"bench.research.update_codes: code must be 'uniform' or 'e4m3'; "
                          f"got {code!r}")
@@ -203,12 +285,16 @@ def factory(cfg: Any, module: torch.nn.Module, opt: Any, code: str = "uniform",
         if isinstance(v, bool) or not isinstance(v, int) or v < 0:
             raise ValueError(f"bench.research.update_codes: {name} must be an int >= 0; "
                              f"got {v!r}")
-    if not isinstance(follow, bool):
-        raise ValueError(f"bench.research.update_codes: follow must be a bool; got {follow!r}")
+    for name, b in (("follow", follow), ("repay", repay)):
+        if not isinstance(b, bool):
+            raise ValueError(f"bench.research.update_codes: {name} must be a bool; got {b!r}")
+    if repay and (code != "uniform" or follow or stats_every):
+        raise ValueError("bench.research.update_codes: repay takes the uniform code alone "
+                         "(no follow, no stats_every)")
     if getattr(opt, "param_comm_dtype", None) != torch.int8:
         raise ValueError("bench.research.update_codes needs scape.SCAPE with "
                          "param_comm_dtype=torch.int8 (its bytes are the 8-bit wire's); got "
                          f"{type(opt).__name__} with "
                          f"{getattr(opt, 'param_comm_dtype', None)!r}")
     return UpdateCodes(code, stats_every, opt.comm.rank, opt,
-                       cfg.steps - 1 if close_at_end else None, close_every, follow)
+                       cfg.steps - 1 if close_at_end else None, close_every, follow, repay)
