@@ -45,7 +45,7 @@ import torch
 
 from scape.kernels import gather, pack_values, scatter_, unpack_values
 from scape.kernels.pack import packed_nbytes
-from scape.wire import ParamWire, as_dtype
+from scape.wire import ParamWire
 
 E4M3_MAX = 448.0
 """e4m3's largest finite value: a row's absmax codes to it."""
@@ -186,8 +186,8 @@ class Repay:
             _add_at(param_flat, prev, bs, values)
             segs = segs[:, rb:]
         apply_of(wire, param_flat, mask, segs)
-        self.seen[key] = (mask.clone(), as_dtype(segs[:, :4 * n], torch.float32).reshape(
-            wire.world, n).clone())
+        self.seen[key] = (mask.clone(), segs[:, :4 * n].contiguous().view(torch.float32)
+                          .reshape(wire.world, n).clone())
 
 
 class UpdateCodes:
