@@ -130,6 +130,19 @@ def test_wires_it_does_not_fit_are_refused():
         update_codes.factory(None, torch.nn.Module(), opt8, code="e4m3", repay=True)
 
 
+def _step(opt: scape.SCAPE, params: list[torch.nn.Parameter], t: int, rank: int,
+          world: int) -> None:
+    """Step ``t`` with fresh gradients, its parameters landed, and every replica checked equal
+    to rank 0's."""
+    b = opt.buckets[0]
+    _grads(params, t, rank)
+    opt.step()
+    opt.finish_param_sync()
+    out = [torch.full_like(b.param_flat, float("nan")) for _ in range(world)]
+    dist.all_gather(out, b.param_flat)
+    assert all(torch.equal(o, out[0]) for o in out), f"step {t}: replicas differ"
+
+
 def _follow_body(rank: int, world: int, steps: int, code: str) -> dict:
     params = _params()
     opt = _opt(params)
@@ -138,12 +151,7 @@ def _follow_body(rank: int, world: int, steps: int, code: str) -> dict:
     sparse, moved = 0, 0.0
     for t in range(1, steps + 1):
         model0 = b.param_flat.clone()
-        _grads(params, t, rank)
-        opt.step()
-        opt.finish_param_sync()
-        out = [torch.full_like(b.param_flat, float("nan")) for _ in range(world)]
-        dist.all_gather(out, b.param_flat)
-        assert all(torch.equal(o, out[0]) for o in out), f"step {t}: replicas differ"
+        _step(opt, params, t, rank, world)
         # the owner's master is what every rank stored: no gap, on the mask or off it
         assert torch.equal(s.master, b.param_flat[b.shard]), f"step {t}: a gap is left"
         if opt.last_sync[0]["mask"] is not None:
@@ -195,12 +203,7 @@ def _repay_body(rank: int, world: int, steps: int) -> dict:
     for t in range(1, steps + 1):
         prev = hook.repay.owned.get(key)
         gap0 = (s.master - b.param_flat[b.shard]).abs()
-        _grads(params, t, rank)
-        opt.step()
-        opt.finish_param_sync()
-        out = [torch.full_like(b.param_flat, float("nan")) for _ in range(world)]
-        dist.all_gather(out, b.param_flat)
-        assert all(torch.equal(o, out[0]) for o in out), f"step {t}: replicas differ"
+        _step(opt, params, t, rank, world)
         if prev is None or opt.last_sync[0]["mask"] is None:
             continue
         rows, scales = prev

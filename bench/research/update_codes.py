@@ -102,6 +102,14 @@ def update_delta(wire: ParamWire, master: torch.Tensor, model_shard: torch.Tenso
     return delta.sub_(gather(model_shard, rows, wire.block_size, out_dtype=torch.float32))
 
 
+def _add_at(flat: torch.Tensor, rows: torch.Tensor, block_size: int,
+            values: torch.Tensor) -> None:
+    """``flat[rows] += values`` in fp32, stored in ``flat``'s dtype, as
+    :meth:`scape.wire.ParamWire.apply` adds (``values``, fp32, is overwritten)."""
+    values.add_(gather(flat, rows, block_size, out_dtype=torch.float32))
+    scatter_(flat, rows, block_size, values)
+
+
 def e4m3_segment(wire: ParamWire, delta: torch.Tensor) -> torch.Tensor:
     """:meth:`scape.wire.ParamWire.code`'s segment of ``delta`` (:func:`update_delta`) with
     e4m3 codes: ``[n fp32 scales | n k codes | zero bytes to the segment's size]``."""
@@ -120,22 +128,11 @@ def e4m3_apply(wire: ParamWire, param_flat: torch.Tensor, mask: torch.Tensor,
     n, k = wire.n_local, wire.k
     scales = segs[:, :4 * n].contiguous().view(torch.float32).view(-1)
     codes = segs[:, 4 * n:4 * n + n * k].contiguous().view(-1)
-    values = e4m3_decode(codes, scales, k)
-    values.add_(gather(param_flat, mask, wire.block_size, out_dtype=torch.float32))
-    scatter_(param_flat, mask, wire.block_size, values)
+    _add_at(param_flat, mask, wire.block_size, e4m3_decode(codes, scales, k))
 
 
 REPAY_BITS = 4
 """The width of :class:`Repay`'s codes."""
-
-
-def _add_at(flat: torch.Tensor, rows: torch.Tensor, block_size: int,
-            values: torch.Tensor) -> None:
-    """``flat[rows] += values`` in fp32, stored in ``flat``'s dtype (as
-    :meth:`scape.wire.ParamWire.apply` adds)."""
-    values = values.clone()
-    values.add_(gather(flat, rows, block_size, out_dtype=torch.float32))
-    scatter_(flat, rows, block_size, values)
 
 
 class Repay:
@@ -278,10 +275,7 @@ def factory(cfg: Any, module: torch.nn.Module, opt: Any, code: str = "uniform",
     if code not in ("uniform", "e4m3"):
         raise ValueError(f"bench.research.update_codes: code must be 'uniform' or 'e4m3'; "
                          f"got {code!r}")
-    if isinstance(stats_every, bool) or not isinstance(stats_every, int) or stats_every < 0:
-        raise ValueError(f"bench.research.update_codes: stats_every must be an int >= 0; "
-                         f"got {stats_every!r}")
-    for name, v in (("close_every", close_every),):
+    for name, v in (("stats_every", stats_every), ("close_every", close_every)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 0:
             raise ValueError(f"bench.research.update_codes: {name} must be an int >= 0; "
                              f"got {v!r}")
