@@ -2,8 +2,8 @@
 parameter wire: its rounding is bf16's and fp16's at 7 and 10 bits and within half a unit of
 the kept mantissa; the replicas stay identical; with the error dropped the owner's master is
 every replica after each step, with it carried each sent entry's gap is within the rounding's
-bound of that send's update; 23 bits trains bit for bit as the library; what it does not fit
-is refused."""
+bound of that send's update; stochastic rounding picks a neighbour, up as often as the dropped
+part's share; 23 bits trains bit for bit as the library; what it does not fit is refused."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from test_research_update_codes import _grads, _params, _step
 
 import scape
 from bench.research import update_rounding
-from bench.research.update_rounding import round_mantissa
+from bench.research.update_rounding import round_mantissa, round_mantissa_stochastic
 
 BLOCK = 256
 
@@ -33,16 +33,35 @@ def test_rounding_is_bf16s_and_fp16s_and_within_half_a_unit():
         assert torch.equal(r.sign(), x.sign())
 
 
+def test_stochastic_rounding_is_unbiased_and_picks_a_neighbour():
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(2_000, generator=g) * torch.exp(3 * torch.randn(2_000, generator=g))
+    reps = torch.stack([round_mantissa_stochastic(x.clone(), 3, g) for _ in range(400)])
+    down = round_mantissa(x.clone(), 3)  # a neighbour, then the other one
+    unit = torch.ldexp(torch.ones_like(x), torch.frexp(x.abs())[1] - 4)  # 2**(e - 3), |x| < 2**e
+    lo = torch.where(down.abs() <= x.abs(), down, down - unit * x.sign())
+    lo_up = lo.abs() + unit
+    assert bool(((reps.abs() == lo.abs()) | (reps.abs() == lo_up)).all()), "not a neighbour"
+    assert torch.equal(reps.sign(), x.sign().expand_as(reps))
+    frac = (x.abs() - lo.abs()) / unit  # P(up)
+    up = (reps.abs() == lo_up).float().mean(0)
+    assert float((up - frac).abs().max()) < 0.1, "rounded up more or less often than its share"
+    assert torch.equal(round_mantissa_stochastic(down.clone(), 3, g), down), "moved a kept value"
+    assert torch.equal(round_mantissa_stochastic(x.clone(), 23, g), x)
+
+
 def _opt(params: list[torch.nn.Parameter]) -> scape.SCAPE:
     opt = scape.SCAPE(params, lr=3e-2, sparsity=0.9, block_size=BLOCK, warmup_steps=2)
     opt.ramp_steps = 0
     return opt
 
 
-def _body(rank: int, world: int, steps: int, bits: int, carry: bool) -> dict:
+def _body(rank: int, world: int, steps: int, bits: int, carry: bool,
+          stochastic: bool = False) -> dict:
     params = _params()
     opt = _opt(params)
-    hook = update_rounding.factory(None, torch.nn.Module(), opt, bits=bits, carry=carry)
+    hook = update_rounding.factory(None, torch.nn.Module(), opt, bits=bits, carry=carry,
+                                   stochastic=stochastic)
     b, s = opt.buckets[0], opt.shards[0]
     n_local = b.shard_size // BLOCK
     sparse, gaps = 0, 0
@@ -65,10 +84,11 @@ def _body(rank: int, world: int, steps: int, bits: int, carry: bool) -> dict:
     return {"sparse": sparse, "gaps": gaps, **hook.result()}
 
 
-@pytest.mark.parametrize("carry", [False, True])
-def test_rounded_updates_keep_replicas_identical_and_gaps_bounded(carry):
-    for r in run_ranks(_body, 2, 10, 3, carry, timeout=180):
+@pytest.mark.parametrize(("carry", "stochastic"), [(False, False), (True, False), (True, True)])
+def test_rounded_updates_keep_replicas_identical_and_gaps_bounded(carry, stochastic):
+    for r in run_ranks(_body, 2, 10, 3, carry, stochastic, timeout=180):
         assert r["sparse"] == r["sends"] > 0 and r["entries"] > 0 and r["carry"] is carry
+        assert r["stochastic"] is stochastic
         assert (r["gaps"] > 0) is carry, "a carried error left no gap, or a dropped one did"
 
 
@@ -99,6 +119,8 @@ def test_what_it_does_not_fit_is_refused():
             update_rounding.factory(None, torch.nn.Module(), opt, bits=bad)
     with pytest.raises(ValueError, match="carry must be a bool"):
         update_rounding.factory(None, torch.nn.Module(), opt, carry=1)
+    with pytest.raises(ValueError, match="stochastic must be a bool"):
+        update_rounding.factory(None, torch.nn.Module(), opt, stochastic="yes")
     opt8 = scape.SCAPE([torch.nn.Parameter(torch.randn(300))], lr=1e-3,
                        param_comm_dtype=torch.int8)
     with pytest.raises(ValueError, match="fp32 parameter wire"):
