@@ -101,7 +101,8 @@ class SCAPE(ShardedOptimizer):
             halves the gradient bytes; ``torch.int8``: a sparse step sends 8-bit codes with one
             scale per mask row, the coding error kept in the residual (:mod:`scape.wire`).
         param_comm_dtype: None (a sparse step sends new values in the model's dtype),
-            ``torch.int8``, ``int6``, ``int4``: 8-, 6-, 4-bit updates all apply (:mod:`scape.wire`).
+            ``torch.float16``, ``torch.int8``, ``int6``, ``int4``: 16-, 8-, 6-, 4-bit updates
+            every rank applies (:mod:`scape.wire`).
         comm: the data-parallel group: a ProcessGroup, a 1-D DeviceMesh or a
             :class:`scape.comm.Communicator` (default: the default process group).
     """
@@ -206,8 +207,8 @@ class SCAPE(ShardedOptimizer):
                              "HierarchicalCommunicator use float32, bfloat16 or float16")
         if self.param_comm_dtype not in PARAM_WIRES:
             raise ValueError(f"Invalid param_comm_dtype: {self.param_comm_dtype!r} (expected "
-                             "None, the model's values, or torch.int8, torch.int6 or "
-                             "torch.int4: 8-, 6- or 4-bit updates)")
+                             "None, the model's values, or torch.float16, torch.int8, "
+                             "torch.int6 or torch.int4: 16-, 8-, 6- or 4-bit updates)")
         if self.param_comm_dtype is not None and self._two_level:
             raise ValueError(f"param_comm_dtype={self.param_comm_dtype} is one level only: with a "
                              "HierarchicalCommunicator leave it None")
@@ -500,7 +501,7 @@ class SCAPE(ShardedOptimizer):
                                "its update did not take shard.age_at_mask (see Rule)")
         self._take_bufs[i] = None
         mask_state.current = mask
-        if self.param_comm_dtype is not None:  # 8-, 6- or 4-bit updates of the model copy
+        if self.param_comm_dtype is not None:  # 16-, 8-, 6- or 4-bit updates of the model
             wire = ParamWire(b.world, mask_state.n_local, mask.shape[1], self.block_size,
                              PARAM_BITS[self.param_comm_dtype])
             part = wire.code(self.shards[i].master, b.param_flat[b.shard], rows)

@@ -150,7 +150,7 @@ def _run_bytes(opt: SCAPE, total_steps: int, start: float | str | None,
     wire8 = wire == torch.int8  # scape.wire: codes and row scales
     b_g = 4 if wire8 else wire.itemsize  # a dense step's (and dense AdamS's)
     param_bits = None if reference_wire or opt.param_comm_dtype is None \
-        else PARAM_BITS[opt.param_comm_dtype]  # 8-, 6- or 4-bit updates
+        else PARAM_BITS[opt.param_comm_dtype]  # 16-, 8-, 6- or 4-bit updates
     # a sparse step's scalars ride in its two collectives (scape.sharded): no all-reduce, the
     # count in every owner's gradient segment, the sum of squares with each owner's values
     ride = not reference_wire and opt.max_grad_norm is None and opt.shard_mesh is None \

@@ -1,6 +1,7 @@
 """The compact parts of a sparse step's wire: the 8-bit gradient wire
-(``grad_comm_dtype=torch.int8``), the 8-, 6- and 4-bit parameter wires (``param_comm_dtype``
-``torch.int8``, ``torch.int6``, ``torch.int4``) and the mask's Elias-Fano rows (every wire).
+(``grad_comm_dtype=torch.int8``), the 16-, 8-, 6- and 4-bit parameter wires
+(``param_comm_dtype`` ``torch.float16``, ``torch.int8``, ``torch.int6``, ``torch.int4``) and
+the mask's Elias-Fano rows (every wire).
 
 **The mask.** The next mask travels as each mask row's ascending block-local offsets in
 Elias-Fano code (:func:`scape.kernels.pack_mask`): ``ceil((k L + k + ((B - 1) >> L)) / 8)``
@@ -34,16 +35,19 @@ Dense steps send fp32.
 new values of its mask entries but what the model copy still lacks of them,
 ``delta = master - model`` (fp32, the model copy read from its own replica), coded to 8 bits
 with one fp32 scale per mask row (the row's absmax, the same codebook), in the segment layout
-above; ``torch.int6`` and ``torch.int4`` code it to 6 or 4 bits on the same codebook's 64 or
-16 levels (:func:`scape.kernels.pack_values`: 6-bit codes four to a 3-byte word, 4-bit two to
-a byte; an owner's codes fill whole words, :func:`code_bytes`, the rest zero). Every rank,
+above; ``torch.float16`` codes each ``delta / s`` as an fp16 value instead (16 bits, 10 of
+them mantissa: :func:`fp16_code`; for an fp32 model, where it halves the values' bytes),
+``torch.int6`` and ``torch.int4`` code it to 6 or 4 bits on the same codebook's 64 or 16
+levels (:func:`scape.kernels.pack_values`: 6-bit codes four to a 3-byte word, 4-bit two to a
+byte; an owner's codes fill whole words, :func:`code_bytes`, the rest zero). Every rank,
 the owner included, decodes every owner's segment and applies ``model = model + decoded``
 (in fp32, stored in the model's dtype): the same operations on the same bytes, so the
 replicas stay bitwise identical. The owner keeps its fp32 master; the gap ``master - model``
 at a coordinate is what its last send did not carry, at most ``s / 255`` (6 bits:
-``s / 63``; 4 bits: ``s / 15``; ``s``: that row's largest ``|delta|``) plus one rounding to
-the model's dtype, and it travels with the coordinate's next send (so it does not
-accumulate). A dense step sends the values themselves and closes every gap.
+``s / 63``; 4 bits: ``s / 15``; 16 bits: ``2**-11`` of the update itself, ``s / 2**25``
+below ``s / 2**14``; ``s``: that row's largest ``|delta|``) plus one rounding to the model's
+dtype, and it travels with the coordinate's next send (so it does not accumulate). A dense
+step sends the values themselves and closes every gap.
 """
 
 from __future__ import annotations
@@ -65,8 +69,9 @@ from scape.kernels import (
     word_layout,
 )
 
-__all__ = ["INT4", "INT6", "PARAM_BITS", "ParamWire", "Wire8", "code_bytes",
-           "fused_segment_bytes", "gather_parts", "mask_bytes", "segment_bytes"]
+__all__ = ["FP16_CODES", "INT4", "INT6", "PARAM_BITS", "ParamWire", "Wire8", "code_bytes",
+           "fp16_code", "fp16_decode", "fused_segment_bytes", "gather_parts", "mask_bytes",
+           "segment_bytes"]
 
 
 def as_dtype(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -78,8 +83,26 @@ INT4: torch.dtype = torch.int4  # type: ignore[attr-defined]  # (the stubs omit 
 """``torch.int4``, the 4-bit parameter wire's ``param_comm_dtype``."""
 INT6: torch.dtype = torch.int6  # type: ignore[attr-defined]
 """``torch.int6``, the 6-bit parameter wire's ``param_comm_dtype``."""
-PARAM_BITS = types.MappingProxyType({torch.int8: 8, INT6: 6, INT4: 4})
+PARAM_BITS = types.MappingProxyType({torch.float16: 16, torch.int8: 8, INT6: 6, INT4: 4})
 """The parameter wires' code widths by ``param_comm_dtype`` (module docstring)."""
+
+FP16_CODES = 16
+"""The code width of ``param_comm_dtype=torch.float16``: each update over its row's scale as an
+fp16 value (module docstring), not a level of :func:`scape.kernels.pack_values`' codebook."""
+
+
+def fp16_code(delta: torch.Tensor, scales: torch.Tensor, k: int) -> torch.Tensor:
+    """The 16-bit codes (uint8, two bytes a value) of ``delta`` (fp32, rows of ``k``): each
+    value over its row's ``scales`` (the rows' absmax; a zero row codes to zeros) rounded to
+    fp16, to nearest. ``|x/s| <= 1``, so a code's error is at most ``2**-11`` of its value
+    where ``|x/s| >= 2**-14`` (fp16's normal range) and ``2**-25`` of ``s`` below."""
+    safe = torch.where(scales > 0, scales, torch.ones_like(scales))
+    return (delta.view(-1, k) / safe[:, None]).to(torch.float16).view(torch.uint8).view(-1)
+
+
+def fp16_decode(codes: torch.Tensor, scales: torch.Tensor, k: int) -> torch.Tensor:
+    """The fp32 values :func:`fp16_code`'s ``codes`` deliver: ``float(code) * s``."""
+    return (codes.view(torch.float16).float().view(-1, k) * scales[:, None]).view(-1)
 
 
 def segment_bytes(n_rows: int, k: int, scalars: int = 0, bits: int = 8) -> int:
@@ -171,7 +194,7 @@ class Wire8:
 
 class ParamWire:
     """One bucket's compact parameter wire on one sparse step (module docstring), ``bits``
-    (8, 6 or 4, :data:`PARAM_BITS`) a coded update: :meth:`code` makes the owner's segment of
+    (16, 8, 6 or 4, :data:`PARAM_BITS`) a coded update: :meth:`code` makes the owner's segment of
     the all-gather, :meth:`apply` writes every rank's decoded updates into the model copy
     once it has landed."""
 
@@ -190,7 +213,8 @@ class ParamWire:
         delta = gather(master, rows, self.block_size)
         delta.sub_(gather(model_shard, rows, self.block_size, out_dtype=torch.float32))
         scales = absmax_scales(delta, k)
-        codes = pack_values(delta, scales, k, self.bits)
+        codes = fp16_code(delta, scales, k) if self.bits == FP16_CODES \
+            else pack_values(delta, scales, k, self.bits)
         parts = [scales.view(torch.uint8), codes]
         pad = self.seg - 4 * n - codes.numel()
         if pad:
@@ -204,7 +228,9 @@ class ParamWire:
         w, n, k, bits = self.world, self.n_local, self.k, self.bits
         scales = as_dtype(segs[:, :4 * n], torch.float32)
         codes = segs[:, 4 * n:4 * n + self.codes].contiguous().view(-1)
-        if (n * k) % word_layout(bits)[0] == 0:  # the owners' codes lie end to end
+        if bits == FP16_CODES:
+            values = fp16_decode(codes, scales, k)
+        elif (n * k) % word_layout(bits)[0] == 0:  # the owners' codes lie end to end
             values = unpack_values(codes, scales, k, bits, w * n * k)
         else:  # each owner's last word is part empty: decode it with a zero scale, drop it
             per = self.codes * 8 // bits
