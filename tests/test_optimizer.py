@@ -17,7 +17,7 @@ from dist import run_ranks
 
 import scape
 from scape.rules import block_budget
-from scape.wire import mask_bytes, segment_bytes
+from scape.wire import PARAM_BITS, mask_bytes, segment_bytes
 
 SHAPES = [(37, 19), (300,), (5, 7, 11)]  # sizes that need padding
 
@@ -116,6 +116,7 @@ CONFIGS = {
                       dtype=torch.bfloat16),
     # 8-bit parameter updates (scape.wire.ParamWire): the replicas stay bitwise identical
     "param8": dict(sparsity=0.9, warmup_steps=2, param_comm_dtype=torch.int8),
+    "param16": dict(sparsity=0.9, warmup_steps=2, param_comm_dtype=torch.float16),
     "wire8_bf16": dict(sparsity=0.99, warmup_steps=2, grad_comm_dtype=torch.int8,
                        param_comm_dtype=torch.int8, dtype=torch.bfloat16),
     "set_to_none": dict(sparsity=0.9, warmup_steps=2, set_to_none=True),
@@ -212,8 +213,8 @@ def _sparse_body(rank, world, names, steps):
                 # sender's non-finite count, and one all-gather of each owner's values, next
                 # mask (Elias-Fano rows, or packed offsets where smaller) and sum of squares
                 values = n_local * k * bp  # or every owner's 8-bit segment
-                if opt.param_comm_dtype == torch.int8:
-                    values = segment_bytes(n_local, k)
+                if opt.param_comm_dtype is not None:
+                    values = segment_bytes(n_local, k, bits=PARAM_BITS[opt.param_comm_dtype])
                 offsets = mask_bytes(n_local, k_next, block)
                 if opt.masks[0].next is None:  # next step dense: no mask rides along
                     offsets = 0
