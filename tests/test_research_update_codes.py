@@ -91,11 +91,9 @@ def test_e4m3_updates_keep_replicas_identical_and_the_gap_within_a_sixteenth():
         assert st["uniform8_l1_err"] < st["uniform4_l1_err"]
 
 
-def _hashes_body(rank: int, world: int, steps: int, hooked: bool) -> list[bytes]:
-    params = _params()
-    opt = _opt(params)
-    if hooked:
-        update_codes.factory(None, torch.nn.Module(), opt, code="uniform", stats_every=1)
+def _trained_bytes(opt: scape.SCAPE, params: list[torch.nn.Parameter], steps: int,
+                   rank: int) -> list[bytes]:
+    """The parameters' bytes after each of ``steps`` steps of :func:`_grads`' gradients."""
     out = []
     for t in range(1, steps + 1):
         _grads(params, t, rank)
@@ -103,6 +101,14 @@ def _hashes_body(rank: int, world: int, steps: int, hooked: bool) -> list[bytes]
         opt.finish_param_sync()
         out.append(b"".join(p.detach().numpy().tobytes() for p in params))
     return out
+
+
+def _hashes_body(rank: int, world: int, steps: int, hooked: bool) -> list[bytes]:
+    params = _params()
+    opt = _opt(params)
+    if hooked:
+        update_codes.factory(None, torch.nn.Module(), opt, code="uniform", stats_every=1)
+    return _trained_bytes(opt, params, steps, rank)
 
 
 def test_recording_alone_trains_bit_for_bit_as_the_library():

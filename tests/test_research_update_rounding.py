@@ -10,11 +10,11 @@ from __future__ import annotations
 import pytest
 import torch
 from dist import run_ranks
-from test_research_update_codes import _grads, _params, _step
+from test_research_update_codes import _params, _step, _trained_bytes
 
 import scape
 from bench.research import update_rounding
-from bench.research.update_rounding import round_mantissa, round_mantissa_stochastic
+from bench.research.update_rounding import round_mantissa
 
 BLOCK = 256
 
@@ -36,7 +36,7 @@ def test_rounding_is_bf16s_and_fp16s_and_within_half_a_unit():
 def test_stochastic_rounding_is_unbiased_and_picks_a_neighbour():
     g = torch.Generator().manual_seed(6)
     x = torch.randn(2_000, generator=g) * torch.exp(3 * torch.randn(2_000, generator=g))
-    reps = torch.stack([round_mantissa_stochastic(x.clone(), 3, g) for _ in range(400)])
+    reps = torch.stack([round_mantissa(x.clone(), 3, g) for _ in range(400)])
     down = round_mantissa(x.clone(), 3)  # a neighbour, then the other one
     unit = torch.ldexp(torch.ones_like(x), torch.frexp(x.abs())[1] - 4)  # 2**(e - 3), |x| < 2**e
     lo = torch.where(down.abs() <= x.abs(), down, down - unit * x.sign())
@@ -46,8 +46,8 @@ def test_stochastic_rounding_is_unbiased_and_picks_a_neighbour():
     frac = (x.abs() - lo.abs()) / unit  # P(up)
     up = (reps.abs() == lo_up).float().mean(0)
     assert float((up - frac).abs().max()) < 0.1, "rounded up more or less often than its share"
-    assert torch.equal(round_mantissa_stochastic(down.clone(), 3, g), down), "moved a kept value"
-    assert torch.equal(round_mantissa_stochastic(x.clone(), 23, g), x)
+    assert torch.equal(round_mantissa(down.clone(), 3, g), down), "moved a kept value"
+    assert torch.equal(round_mantissa(x.clone(), 23, g), x)
 
 
 def _opt(params: list[torch.nn.Parameter]) -> scape.SCAPE:
@@ -97,13 +97,7 @@ def _hashes_body(rank: int, world: int, steps: int, bits: int | None) -> list[by
     opt = _opt(params)
     if bits is not None:
         update_rounding.factory(None, torch.nn.Module(), opt, bits=bits)
-    out = []
-    for t in range(1, steps + 1):
-        _grads(params, t, rank)
-        opt.step()
-        opt.finish_param_sync()
-        out.append(b"".join(p.detach().numpy().tobytes() for p in params))
-    return out
+    return _trained_bytes(opt, params, steps, rank)
 
 
 def test_all_23_bits_train_bit_for_bit_as_the_library_and_fewer_do_not():

@@ -39,36 +39,25 @@ FP32_MANTISSA = 23
 """fp32's explicit mantissa bits."""
 
 
-def round_mantissa(x: torch.Tensor, bits: int) -> torch.Tensor:
-    """fp32 ``x`` with its mantissa rounded to ``bits`` bits (nearest, ties to even), in place
-    of ``x``'s bits; ``bits=23`` leaves ``x`` unchanged. Finite inputs whose rounding stays
-    finite only (a carry past fp32's largest exponent would make inf)."""
+def round_mantissa(x: torch.Tensor, bits: int,
+                   generator: torch.Generator | None = None) -> torch.Tensor:
+    """fp32 ``x`` with its mantissa rounded to ``bits`` bits, in place of ``x``'s bits: to
+    nearest, ties to even, or with ``generator`` stochastically (each magnitude rounded up
+    with the probability of the dropped bits' share of a kept unit, so the result's
+    expectation is ``x``); ``bits=23`` leaves ``x`` unchanged. Finite inputs whose rounding
+    stays finite only (a carry past fp32's largest exponent would make inf)."""
     if x.dtype != torch.float32:
         raise TypeError(f"round_mantissa takes fp32; got {x.dtype}")
     drop = FP32_MANTISSA - bits
     if drop == 0:
         return x
     i = x.view(torch.int32)
-    lsb = torch.bitwise_and(torch.bitwise_right_shift(i, drop), 1)
-    i.add_(lsb + ((1 << (drop - 1)) - 1))  # two's-complement add = the magnitude's add
-    i.bitwise_and_(~((1 << drop) - 1))
-    return x
-
-
-def round_mantissa_stochastic(x: torch.Tensor, bits: int,
-                              generator: torch.Generator | None = None) -> torch.Tensor:
-    """fp32 ``x`` with its mantissa rounded to ``bits`` bits stochastically, in place: each
-    magnitude rounded up with the probability of the dropped bits' share of a kept unit, so
-    the result's expectation is ``x``; ``bits=23`` leaves ``x`` unchanged. Finite inputs whose
-    rounding stays finite only."""
-    if x.dtype != torch.float32:
-        raise TypeError(f"round_mantissa_stochastic takes fp32; got {x.dtype}")
-    drop = FP32_MANTISSA - bits
-    if drop == 0:
-        return x
-    i = x.view(torch.int32)
-    i.add_(torch.randint(0, 1 << drop, x.shape, generator=generator, dtype=torch.int32,
-                         device=x.device))  # the magnitude's bits: up with P(dropped part)
+    if generator is None:  # half a unit, less one where the kept bit is even (ties to even)
+        lsb = torch.bitwise_and(torch.bitwise_right_shift(i, drop), 1)
+        i.add_(lsb + ((1 << (drop - 1)) - 1))  # two's-complement add = the magnitude's add
+    else:  # up with the probability of the dropped part
+        i.add_(torch.randint(0, 1 << drop, x.shape, generator=generator, dtype=torch.int32,
+                             device=x.device))
     i.bitwise_and_(~((1 << drop) - 1))
     return x
 
@@ -91,8 +80,8 @@ class UpdateRounding:
             b = opt.buckets[next(i for i, s in enumerate(opt.shards) if s is shard)]
             model = gather(b.param_flat[b.shard], rows, block_size, out_dtype=torch.float32)
             delta = values.sub(model)
-            rounded = round_mantissa_stochastic(delta.clone(), hook.bits, generator) \
-                if hook.stochastic else round_mantissa(delta.clone(), hook.bits)
+            rounded = round_mantissa(delta.clone(), hook.bits,
+                                     generator if hook.stochastic else None)
             # an entry its rounding leaves as it was keeps its exact value (23 bits: the library)
             values.copy_(torch.where(rounded == delta, values, model.add_(rounded)))
             if not hook.carry:
