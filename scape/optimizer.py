@@ -100,9 +100,8 @@ class SCAPE(ShardedOptimizer):
         grad_comm_dtype: dtype of gradients on the wire (float32, bfloat16, float16): bfloat16
             halves the gradient bytes; ``torch.int8``: a sparse step sends 8-bit codes with one
             scale per mask row, the coding error kept in the residual (:mod:`scape.wire`).
-        param_comm_dtype: None (a sparse step sends new values in the model's dtype),
-            ``torch.float16``, ``torch.int8``, ``int6``, ``int4``: 16-, 8-, 6-, 4-bit updates
-            every rank applies (:mod:`scape.wire`).
+        param_comm_dtype: None (new values in the model's dtype), ``torch.float16``,
+            ``torch.int8``, ``int6``, ``int4``: 16-, 8-, 6-, 4-bit updates (:mod:`scape.wire`).
         comm: the data-parallel group: a ProcessGroup, a 1-D DeviceMesh or a
             :class:`scape.comm.Communicator` (default: the default process group).
     """
