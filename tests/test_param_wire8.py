@@ -4,8 +4,8 @@ replicas stay bitwise identical (also checked step by step with the other config
 test_optimizer's invariants); the gap between the owner's fp32 master and the model copy is at
 most ``s / 255`` (6 bits: ``s / 63``; 4 bits: ``s / 15``; 16 bits: ``2**-11`` of the update
 and ``s / 2**25``) of the row's largest update plus one rounding to the model's dtype after a
-sparse step, unchanged outside the mask, and closed
-by a dense step; bytes are what ``run_bytes`` foresees; bad values are refused."""
+sparse step, unchanged outside the mask, and closed by a dense step; bytes are what
+``run_bytes`` foresees; bad values are refused."""
 
 from __future__ import annotations
 

@@ -23,7 +23,7 @@ bench.lr_sweep ARGS`` runs a job with it.
 - :mod:`bench.research.update_codes`: a rank hook on the 8-bit parameter wire that records
   its rows' statistics and can code them as fp8 e4m3 instead (the ``*_e4m3_*`` rows).
 - :mod:`bench.research.update_rounding`: a rank hook on the fp32 parameter wire that rounds
-  each sent update to a chosen number of mantissa bits (the ``*_round*`` rows).
+  each sent update to a chosen number of mantissa bits (the ``g2000_pr*`` rows).
 - :mod:`bench.research.workload3`: the third workload's protocol (best lr, two seeds, steps to
   reach dense AdamS's loss) and its plot, from ``bench/results/workload3_headers_bpe.json``.
 """
