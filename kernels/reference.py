@@ -92,13 +92,19 @@ def _flat(idx: torch.Tensor, block_size: int) -> torch.Tensor:
 
 
 def take_(src: torch.Tensor, idx: torch.Tensor, block_size: int, *,
-          out: torch.Tensor | None = None, out_dtype: torch.dtype | None = None
-          ) -> torch.Tensor:
-    """``values = src[flat]`` cast, then ``src[flat] = 0``."""
+          out: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
+          keep_error: bool = False) -> torch.Tensor:
+    """``values = src[flat]`` cast, then ``src[flat] = 0`` (``keep_error``: what the cast
+    lost, in fp32, 0 where not finite)."""
     flat = _flat(idx, block_size)
     vals = src.index_select(0, flat)
-    src.index_fill_(0, flat, 0.0)
-    return _emit(vals, out, out_dtype)
+    got = _emit(vals, out, out_dtype)
+    if keep_error:
+        err = vals.float() - got.float()
+        src.index_copy_(0, flat, torch.where(torch.isfinite(err), err, 0.0).to(src.dtype))
+    else:
+        src.index_fill_(0, flat, 0.0)
+    return got
 
 
 def gather(src: torch.Tensor, idx: torch.Tensor, block_size: int, *,

@@ -44,11 +44,18 @@ def _mask_positions(p_idx, k, BLOCK_SIZE: tl.constexpr, K_TILE: tl.constexpr):
 
 
 @triton.jit
-def _take_kernel(p_src, p_idx, p_out, k, BLOCK_SIZE: tl.constexpr, K_TILE: tl.constexpr):
+def _take_kernel(p_src, p_idx, p_out, k, BLOCK_SIZE: tl.constexpr, K_TILE: tl.constexpr,
+                 KEEP_ERROR: tl.constexpr):
     flat, compact, m_j = _mask_positions(p_idx, k, BLOCK_SIZE, K_TILE)
     b_val = tl.load(p_src + flat, mask=m_j, other=0.0)
-    tl.store(p_out + compact, b_val.to(p_out.dtype.element_ty), mask=m_j)
-    tl.store(p_src + flat, tl.zeros_like(b_val), mask=m_j)
+    b_out = b_val.to(p_out.dtype.element_ty)
+    tl.store(p_out + compact, b_out, mask=m_j)
+    if KEEP_ERROR:  # what the cast lost, in fp32; a non-finite one (inf, NaN, overflow) is 0
+        b_err = b_val.to(tl.float32) - b_out.to(tl.float32)
+        b_err = tl.where(tl.abs(b_err) < float("inf"), b_err, 0.0)  # NaN compares false
+        tl.store(p_src + flat, b_err.to(p_src.dtype.element_ty), mask=m_j)
+    else:
+        tl.store(p_src + flat, tl.zeros_like(b_val), mask=m_j)
 
 
 @triton.jit
@@ -88,15 +95,15 @@ def _compact_out(src: torch.Tensor, n: int, out: torch.Tensor | None,
 
 
 def take_triton(src: torch.Tensor, idx: torch.Tensor, block_size: int, *,
-                out: torch.Tensor | None = None, out_dtype: torch.dtype | None = None
-                ) -> torch.Tensor:
+                out: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
+                keep_error: bool = False) -> torch.Tensor:
     """Launch :func:`_take_kernel` (arguments already validated)."""
     n_blocks, k = idx.shape
     out = _compact_out(src, n_blocks * k, out, out_dtype)
     cfg = sparse_config(k)
     _take_kernel[_grid(n_blocks, k, cfg["K_TILE"])](
         src, idx, out, k, BLOCK_SIZE=block_size, K_TILE=cfg["K_TILE"],
-        num_warps=cfg["num_warps"])
+        KEEP_ERROR=bool(keep_error), num_warps=cfg["num_warps"])
     return out
 
 
@@ -134,15 +141,22 @@ def _check_indexed(name: str, t: torch.Tensor, idx: torch.Tensor,
 
 
 def take_(src: torch.Tensor, idx: torch.Tensor, block_size: int, *,
-          out: torch.Tensor | None = None, out_dtype: torch.dtype | None = None
-          ) -> torch.Tensor:
+          out: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
+          keep_error: bool = False) -> torch.Tensor:
     """``values = src[flat]`` cast to ``out_dtype`` (default ``src.dtype``), then
-    ``src[flat] = 0``: the error-feedback compress when the residual lives in ``src``."""
+    ``src[flat] = 0``: the error-feedback compress when the residual lives in ``src``.
+
+    With ``keep_error``, ``src[flat]`` keeps what the cast lost instead,
+    ``src - values`` computed in fp32 (0 where that is not finite: an inf or NaN entry, or one
+    the cast overflowed), so for an fp32 ``src`` ``src[flat] + values == before`` bitwise at
+    every finite entry the cast did not overflow; with ``values`` in ``src``'s dtype it is 0."""
     n_blocks, k = _check_indexed("src", src, idx, block_size)
     check_out("out", out, n_blocks * k, "one per mask entry", "src", src, out_dtype)
     if use_triton(src):
-        return take_triton(src, idx, block_size, out=out, out_dtype=out_dtype)
-    return reference.take_(src, idx, block_size, out=out, out_dtype=out_dtype)
+        return take_triton(src, idx, block_size, out=out, out_dtype=out_dtype,
+                           keep_error=keep_error)
+    return reference.take_(src, idx, block_size, out=out, out_dtype=out_dtype,
+                           keep_error=keep_error)
 
 
 def gather(src: torch.Tensor, idx: torch.Tensor, block_size: int, *,

@@ -97,9 +97,9 @@ class SCAPE(ShardedOptimizer):
         warmup_steps: dense steps at the start (they build the statistics the masks read).
         dense_every: every n-th step is dense, sending all the residuals hold (0: never).
         max_grad_norm: clip the synchronized gradient to this norm (None: no clipping).
-        grad_comm_dtype: dtype of gradients on the wire (float32, bfloat16, float16): bfloat16
-            halves the gradient bytes; ``torch.int8``: a sparse step sends 8-bit codes with one
-            scale per mask row, the coding error kept in the residual (:mod:`scape.wire`).
+        grad_comm_dtype: dtype of gradients on the wire (float32, bfloat16, float16: half the
+            bytes; ``torch.int8``: 8-bit codes, a scale per mask row, :mod:`scape.wire`); on
+            sparse steps what a narrower wire rounds away stays in the residual.
         param_comm_dtype: None (new values in the model's dtype), ``torch.float16``,
             ``torch.int8``, ``int6``, ``int4``: 16-, 8-, 6-, 4-bit updates (:mod:`scape.wire`).
         comm: the data-parallel group: a ProcessGroup, a 1-D DeviceMesh or a
@@ -388,12 +388,19 @@ class SCAPE(ShardedOptimizer):
         assert mask is not None
         comm, src, mask, take_dtype = self.level.sparse_source(i, b, mask, mask_state.n_local,
                                                               self.grad_comm_dtype)
+        # a narrower wire (bfloat16, float16) leaves each value's rounding error in the
+        # residual, as the 8-bit wire does its coding error (DESIGN §1 step 2)
+        keep = self.error_feedback and take_dtype != src.dtype
         with phase("scape/take", b.device):
-            c = take_(src, mask, self.block_size, out_dtype=take_dtype)
+            c = take_(src, mask, self.block_size, out_dtype=take_dtype, keep_error=keep)
             diag = self.diagnostics[i]
             taken = c.float().square().sum() \
                 if self.error_feedback or self.max_grad_norm is not None else None
-            if taken is not None and self.error_feedback:
+            if taken is not None and keep:
+                left = gather(src, mask, self.block_size)  # the rounding error, now residual
+                diag["residual_norm"] = (self._pre_sumsq[i] - (c.float() + left).square().sum()
+                                         + left.square().sum()).clamp(min=0).sqrt()
+            elif taken is not None and self.error_feedback:
                 diag["residual_norm"] = (self._pre_sumsq[i] - taken).clamp(min=0).sqrt()
             else:
                 src.zero_()

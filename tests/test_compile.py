@@ -42,9 +42,10 @@ def _specs(dt: str) -> list[tuple[str, object, dict, dict, int]]:
     common = {"k": "i32", "BLOCK_SIZE": "constexpr", "K_TILE": "constexpr"}
     kc = {"BLOCK_SIZE": 4096, "K_TILE": scfg["K_TILE"]}
     specs += [
-        ("take_", sparse._take_kernel,
-         {"p_src": "*fp32", "p_idx": "*i16", "p_out": f"*{dt}", **common}, kc,
-         scfg["num_warps"]),
+        *[(name, sparse._take_kernel,
+           {"p_src": "*fp32", "p_idx": "*i16", "p_out": f"*{dt}", **common,
+            "KEEP_ERROR": "constexpr"}, {**kc, "KEEP_ERROR": keep}, scfg["num_warps"])
+          for name, keep in (("take_", False), ("take_ keep_error", True))],
         ("gather", sparse._gather_kernel,
          {"p_src": "*fp32", "p_residual": "*fp32", "p_idx": "*i16", "p_out": f"*{dt}",
           **common, "HAS_RESIDUAL": "constexpr"}, {**kc, "HAS_RESIDUAL": True},

@@ -88,12 +88,46 @@ def test_take_gather_scatter(backend, block_size, n_blocks, k, src_dtype, out_dt
     assert auto.dtype == out_dtype and auto.shape == (n_blocks * k,)
     assert_cast_equal(auto, before[flat], "take_ allocated output")
 
+    # take_(keep_error=True): the same values out, what the cast lost left behind
+    kept = before.clone()
+    out = nan_empty(n_blocks * k, out_dtype)
+    kernels.take_(kept, idx, block_size, out=out, keep_error=True)
+    assert_cast_equal(out, before[flat], "take_ keep_error values")
+    lost = (before[flat].float() - out.float()).to(src_dtype)
+    assert torch.equal(kept[flat], lost), "take_ keep_error: not the cast's error"
+    assert torch.equal(kept[outside], before[outside])
+    if src_dtype == F32:  # the error is exact: residual + value is the entry, bitwise
+        assert torch.equal(kept[flat] + out.float(), before[flat])
+        if out_dtype != F32:
+            assert bool((kept[flat] != 0).any()), "a narrower cast lost nothing"
+    if out_dtype == src_dtype:
+        assert (kept[flat] == 0).all()
+
     # scatter_: exactly the mask's positions, cast on write
     values = torch.randn(n_blocks * k, generator=gen).to(out_dtype)
     dst = nan_empty(n, src_dtype)
     kernels.scatter_(dst, idx, block_size, values)
     assert_cast_equal(dst[flat], values, "scatter_")
     assert torch.isnan(dst[outside]).all(), "scatter_ wrote outside the mask"
+
+
+def test_take_keep_error_nonfinite(backend):
+    """An inf or NaN entry, and one the cast overflows, leave 0 behind (not inf or NaN)."""
+    block_size, k = 256, 8
+    idx = torch.arange(0, 2 * k, 2, dtype=torch.int16).view(1, k)
+    src = torch.zeros(block_size)
+    vals = [float("inf"), float("nan"), 1e6, -1e6, 1.0 + 2.0 ** -20, 3e-8, -float("inf"), 0.5]
+    src[idx.long().view(-1)] = torch.tensor(vals)
+    src[1] = 7.0  # outside the mask
+    out = nan_empty(k, F16)
+    kernels.take_(src, idx, block_size, out=out, keep_error=True)
+    left = src[idx.long().view(-1)]
+    assert torch.isfinite(left).all(), left
+    assert left[:4].eq(0).all() and left[6:].eq(0).all()
+    tiny = torch.tensor(3e-8)  # a subnormal in fp16
+    assert left[4] == 2.0 ** -20 and left[5] == tiny - tiny.half().float() != 0
+    assert out[2] == float("inf") and out[3] == -float("inf") and torch.isnan(out[1])
+    assert src[1] == 7.0
 
 
 DENSE_CASES = [
