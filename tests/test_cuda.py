@@ -140,6 +140,12 @@ def test_take_gather_scatter_match_cpu(block_size, n_blocks, k, src_dtype, out_d
     assert torch.equal(_cpu(s_dev), s_cpu), "take_ zeroing"
     flat = flat_positions(idx, block_size)
     assert (s_cpu[flat] == 0).all()
+    s_cpu, s_dev = src.clone(), src.to(DEV, copy=True)  # the 16-bit wire's take
+    want = ref.take_(s_cpu, idx, block_size, out_dtype=out_dtype, keep_error=True)
+    got = kernels.take_(s_dev, i_dev, block_size, out=nan_empty(n_blocks * k, out_dtype, DEV),
+                        keep_error=True)
+    assert torch.equal(_cpu(got), want), "take_ keep_error values"
+    assert torch.equal(_cpu(s_dev), s_cpu), "take_ keep_error residual"
 
     d_cpu, d_dev = nan_empty(n, src_dtype), nan_empty(n, src_dtype, DEV)
     ref.scatter_(d_cpu, idx, block_size, values)
