@@ -52,9 +52,12 @@ WIRE8_ROWS = {
                                          "param_comm_dtype": "int8"}),
     "scape_0.99_wire86": ("scape", 0.99, {"warmup_steps": 1, "grad_comm_dtype": "int8",
                                           "param_comm_dtype": "int6"}),
+    "scape_0.99_wire16": ("scape", 0.99, {"warmup_steps": 1, "grad_comm_dtype": "float16",
+                                          "param_comm_dtype": "float16"}),
 }
 """The compact wires' rows (``--int8``: 8-bit gradients; ``wire8`` also 8-bit parameter
-updates, ``wire86`` 6-bit ones), timed beside the others."""
+updates, ``wire86`` 6-bit ones; ``wire16`` fp16 gradients and 16-bit updates), timed beside
+the others."""
 
 
 def build(model_name: str, world: int, kind: str, update: str | None = None,
