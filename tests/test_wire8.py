@@ -140,7 +140,7 @@ def _same_values_body(rank: int, world: int, steps: int) -> list[tuple[float, fl
     take sends the 8-bit wire's decoded values (and keeps its coding error as residual)."""
     exact_take = scape.optimizer.take_
 
-    def decoded_take(src, idx, block_size, out=None, out_dtype=None):
+    def decoded_take(src, idx, block_size, out=None, out_dtype=None, keep_error=False):
         codes, scales = kernels.take_pack8_(src, idx, block_size)
         return Wire8.decoded(codes, scales, idx.shape[1])
 
