@@ -396,10 +396,8 @@ class SCAPE(ShardedOptimizer):
             diag = self.diagnostics[i]
             taken = c.float().square().sum() \
                 if self.error_feedback or self.max_grad_norm is not None else None
-            if taken is not None and keep:
-                left = gather(src, mask, self.block_size)  # the rounding error, now residual
-                diag["residual_norm"] = (self._pre_sumsq[i] - (c.float() + left).square().sum()
-                                         + left.square().sum()).clamp(min=0).sqrt()
+            if keep:  # (error feedback on: taken is set)
+                diag["residual_norm"] = self._kept_residual_norm(i, src, mask, c.float())
             elif taken is not None and self.error_feedback:
                 diag["residual_norm"] = (self._pre_sumsq[i] - taken).clamp(min=0).sqrt()
             else:
@@ -425,14 +423,21 @@ class SCAPE(ShardedOptimizer):
                 sent = Wire8.decoded(codes, scales, mask.shape[1])
                 taken = sent.square().sum()
             if taken is not None and self.error_feedback:
-                left = gather(src, mask, self.block_size)  # the coding error, now residual
-                diag["residual_norm"] = (self._pre_sumsq[i] - (sent + left).square().sum()
-                                         + left.square().sum()).clamp(min=0).sqrt()
+                diag["residual_norm"] = self._kept_residual_norm(i, src, mask, sent)
             else:
                 src.zero_()
                 diag["residual_norm"] = torch.zeros((), device=b.device)
             self._sent_sumsq[i] = taken
         return codes, scales, mask_state.n_local, mask.shape[1]
+
+    def _kept_residual_norm(self, i: int, src: torch.Tensor, mask: torch.Tensor,
+                            sent: torch.Tensor) -> torch.Tensor:
+        """Bucket ``i``'s residual norm after a take that left each entry's rounding or coding
+        error in ``src``: the buffer's sum of squares before it, less the taken entries'
+        (``sent`` + what is left), plus what is left."""
+        left = gather(src, mask, self.block_size)
+        return (self._pre_sumsq[i] - (sent + left).square().sum()
+                + left.square().sum()).clamp(min=0).sqrt()
 
     def _sparse_launch(self, i: int) -> tuple[torch.Tensor, Any]:
         b = self.buckets[i]

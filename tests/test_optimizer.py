@@ -20,6 +20,7 @@ from scape.rules import block_budget
 from scape.wire import PARAM_BITS, mask_bytes, segment_bytes
 
 SHAPES = [(37, 19), (300,), (5, 7, 11)]  # sizes that need padding
+WIRE16 = (torch.bfloat16, torch.float16)  # gradient wires that round each value
 
 
 def _params(seed: int, dtype=torch.float32, shapes=SHAPES) -> list[torch.nn.Parameter]:
@@ -223,7 +224,7 @@ def _sparse_body(rank, world, names, steps):
                 offsets = mask_bytes(n_local, k_next, block)
                 if opt.masks[0].next is None:  # next step dense: no mask rides along
                     offsets = 0
-                narrow = opt.grad_comm_dtype in (torch.bfloat16, torch.float16)
+                narrow = opt.grad_comm_dtype in WIRE16
                 if narrow:  # every rank keeps what its values lost on the wire, bitwise
                     sent = pre[flat].to(opt.grad_comm_dtype).float()
                     assert torch.equal(b.grad_flat[flat], pre[flat] - sent), \
@@ -255,7 +256,7 @@ def _sparse_body(rank, world, names, steps):
             err = float((residual + world * all_delivered - total).abs().max())
             scale = float(total.abs().max())
             # a 16-bit wire's sum over ranks is rounded by the backend: that is what is lost
-            tol = 1e-5 if opt.grad_comm_dtype not in (torch.bfloat16, torch.float16) \
+            tol = 1e-5 if opt.grad_comm_dtype not in WIRE16 \
                 else 2 * world * torch.finfo(opt.grad_comm_dtype).eps
             assert err <= tol * scale * steps, f"{name}: conservation error {err:.3g}"
         else:
