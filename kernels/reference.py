@@ -258,20 +258,25 @@ def adamw_dense_(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, g: torch.Ten
             model_out[s:e].copy_(ps)
 
 
-def grad_stats(x: torch.Tensor) -> torch.Tensor:
-    """fp32 ``[sum of squares of all entries, number of non-finite entries]``.
+def grad_stats(x: torch.Tensor, limit: float = float(torch.finfo(torch.float32).max)
+               ) -> torch.Tensor:
+    """fp32 ``[sum of squares of all entries, number of entries not within limit]``: the
+    non-finite entries and those with ``|x| > limit`` (by default the largest fp32, so the
+    non-finite ones alone).
 
     The sum runs over every entry, so it is inf/NaN when a non-finite entry exists (callers
     decide to skip on the count, not on the sum). It is accumulated in fp32. The count is
     exact up to 2^24 (stored as fp32). On CPU the count pass runs only when the sum is not
-    finite (a non-finite entry, or an overflow, is the only way to get there).
+    finite or reaches ``limit**2`` in fp32 (an entry beyond ``limit`` makes it so: a sum of
+    squares rounds monotonically, so it is at least that entry's rounded square).
     """
     xf = x if x.dtype == torch.float32 else x.float()
     sumsq = torch.dot(xf, xf)
-    if x.device.type == "cpu" and math.isfinite(float(sumsq)):
+    total = float(sumsq) if x.device.type == "cpu" else math.inf
+    if total < float(torch.tensor(limit, dtype=torch.float32).square()):
         count = torch.zeros((), dtype=torch.float32)
     else:
-        count = (~torch.isfinite(x)).sum(dtype=torch.float32)
+        count = (~(xf.abs() <= limit)).sum(dtype=torch.float32)
     return torch.stack([sumsq.float(), count])
 
 

@@ -35,11 +35,11 @@ from ._triton import tl, triton
 
 
 @triton.jit
-def _grad_stats_kernel(p_x, p_sumsq, p_count, n, TILE: tl.constexpr):
+def _grad_stats_kernel(p_x, p_sumsq, p_count, n, limit, TILE: tl.constexpr):
     pid = tl.program_id(0)
     offs = pid.to(tl.int64) * TILE + tl.arange(0, TILE)
     b_x = tl.load(p_x + offs, mask=offs < n, other=0.0).to(tl.float32)
-    nonfinite = ~(tl.abs(b_x) < float("inf"))  # NaN compares false, so it counts
+    nonfinite = ~(tl.abs(b_x) <= limit)  # NaN compares false, so it counts
     tl.store(p_sumsq + pid, tl.sum(b_x * b_x, axis=0))
     tl.store(p_count + pid, tl.sum(nonfinite.to(tl.int32), axis=0))
 
@@ -57,36 +57,46 @@ def _grad_stats_finish_kernel(p_sumsq, p_count, p_out, n_parts, PART_TILE: tl.co
     tl.store(p_out + 1, tl.sum(cnt, axis=0).to(tl.float32))
 
 
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+"""The default ``limit`` of :func:`grad_stats`: every finite entry is within it."""
 STATS_TILE = 4096
 STATS_WARPS = 8
 PART_TILE = 1024
 
 
-def grad_stats_triton(x: torch.Tensor) -> torch.Tensor:
-    """Launch both stages (argument already validated)."""
+def grad_stats_triton(x: torch.Tensor, limit: float = FLOAT32_MAX) -> torch.Tensor:
+    """Launch both stages (arguments already validated)."""
     n = x.numel()
     n_parts = triton.cdiv(n, STATS_TILE)
     sumsq = torch.empty(n_parts, dtype=torch.float32, device=x.device)
     count = torch.empty(n_parts, dtype=torch.int32, device=x.device)
     out = torch.empty(2, dtype=torch.float32, device=x.device)
-    _grad_stats_kernel[(n_parts,)](x, sumsq, count, n, TILE=STATS_TILE, num_warps=STATS_WARPS)
+    _grad_stats_kernel[(n_parts,)](x, sumsq, count, n, limit, TILE=STATS_TILE,
+                                   num_warps=STATS_WARPS)
     _grad_stats_finish_kernel[(1,)](sumsq, count, out, n_parts, PART_TILE=PART_TILE,
                                     num_warps=4)
     return out
 
 
-def grad_stats(x: torch.Tensor) -> torch.Tensor:
+def grad_stats(x: torch.Tensor, limit: float | None = None) -> torch.Tensor:
     """fp32 tensor ``[sum of squares of all entries, count of non-finite entries]``.
 
     The sum covers every entry, so it is inf or NaN whenever a non-finite entry exists: the
-    skip decision reads the count (exact up to 2^24), clipping reads the sum.
+    skip decision reads the count (exact up to 2^24), clipping reads the sum. ``limit`` (a
+    positive float, at most the largest fp32), if given, also counts the finite entries with
+    ``|x| > limit``: those a narrow wire cannot sum (``scape.sharded``'s ``wire_limit``).
     """
     check_tensor("x", x, dtypes=FLOAT_DTYPES, ndim=1)
     if x.numel() == 0:
         raise ValueError("x must have at least one element; got 0")
+    if limit is None:
+        limit = FLOAT32_MAX
+    elif isinstance(limit, bool) or not isinstance(limit, (int, float)) \
+            or not 0.0 < limit <= FLOAT32_MAX:
+        raise ValueError(f"limit must be a float in (0, {FLOAT32_MAX:.7g}]; got {limit!r}")
     if use_triton(x):
-        return grad_stats_triton(x)
-    return reference.grad_stats(x)
+        return grad_stats_triton(x, float(limit))
+    return reference.grad_stats(x, float(limit))
 
 
 @triton.jit

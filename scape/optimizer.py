@@ -98,8 +98,8 @@ class SCAPE(ShardedOptimizer):
         dense_every: every n-th step is dense, sending all the residuals hold (0: never).
         max_grad_norm: clip the synchronized gradient to this norm (None: no clipping).
         grad_comm_dtype: dtype of gradients on the wire (float32, bfloat16, float16: half the
-            bytes; ``torch.int8``: 8-bit codes, a scale per mask row, :mod:`scape.wire`); on
-            sparse steps what a narrower wire rounds away stays in the residual.
+            bytes, and a step with an entry past 32752/W is skipped; ``torch.int8``: 8-bit
+            codes, a scale per mask row); a sparse step keeps what they round off in the residual.
         param_comm_dtype: None (new values in the model's dtype), ``torch.float16``,
             ``torch.int8``, ``int6``, ``int4``: 16-, 8-, 6-, 4-bit updates (:mod:`scape.wire`).
         comm: the data-parallel group: a ProcessGroup, a 1-D DeviceMesh or a

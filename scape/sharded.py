@@ -80,6 +80,16 @@ def positional_error(name: str, args: tuple, lr: Any) -> TypeError | None:
                      "hyperparameter as a keyword")
 
 
+def wire_limit(dtype: torch.dtype, world: int) -> float:
+    """The largest ``|entry|`` of a rank's gradient buffer that a gradient wire of ``dtype``
+    (fp32, bf16, fp16) sums over ``world`` ranks: half the dtype's range over ``world``, so
+    no partial sum of ``world`` entries, each rounded to the wire, reaches its end (fp16:
+    ``32752 / world``; fp32 and bf16: about ``1.7e38 / world``). A buffer with a larger
+    entry counts it as non-finite: the step is skipped on every rank (DESIGN §8), where a
+    sum past the range would have written inf into every replica."""
+    return float(torch.finfo(dtype).max) / (2 * world)
+
+
 class ShardedOptimizer(torch.optim.Optimizer):
     """Base of :class:`scape.SCAPE` and :class:`scape.DistributedAdamW` (not used directly)."""
 
@@ -119,6 +129,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.grad_comm_dtype = grad_comm_dtype
         self._dense_wire = torch.float32 if grad_comm_dtype == torch.int8 else grad_comm_dtype
         """The dtype of a dense step's gradient on the wire (the 8-bit wire is sparse only)."""
+        self._wire_limit = wire_limit(self._dense_wire, self.comm.world_size) \
+            if error is None else None
+        """The largest ``|entry|`` of a local buffer the step sends (:func:`wire_limit`;
+        None where the arguments were refused)."""
         self._faults: faults.FaultPlan | None = None  # armed by scape.faults.install
         self._failed: CommError | None = None
         fields = self._fingerprint(groups_trainable, global_fields, error is None)
@@ -489,7 +503,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         local = torch.zeros(5 if clip else 2, dtype=torch.float32, device=device)
         self._pre_sumsq = []
         for i in range(len(self.buckets)):
-            s = grad_stats(self.level.buffer(i, self.buckets[i]))
+            s = grad_stats(self.level.buffer(i, self.buckets[i]), self._wire_limit)
             self._pre_sumsq.append(s[0])
             local[1] += s[1]
         self._ride_count = local[1:2] if ride else None

@@ -110,7 +110,7 @@ def _specs(dt: str) -> list[tuple[str, object, dict, dict, int]]:
          {"TILE": moments.DENSE_TILE}, moments.DENSE_WARPS),
         ("grad_stats", stats._grad_stats_kernel,
          {"p_x": f"*{dt}", "p_sumsq": "*fp32", "p_count": "*i32", "n": "i32",
-          "TILE": "constexpr"}, {"TILE": stats.STATS_TILE}, stats.STATS_WARPS),
+          "limit": "fp32", "TILE": "constexpr"}, {"TILE": stats.STATS_TILE}, stats.STATS_WARPS),
         ("grad_stats finish", stats._grad_stats_finish_kernel,
          {"p_sumsq": "*fp32", "p_count": "*i32", "p_out": "*fp32", "n_parts": "i32",
           "PART_TILE": "constexpr"}, {"PART_TILE": stats.PART_TILE}, 4),

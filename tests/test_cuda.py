@@ -228,6 +228,10 @@ def test_grad_stats_match_float64(dtype):
     x[bad[6:]] = -float("inf")
     s = _cpu(kernels.grad_stats(x.to(DEV)))
     assert s[1].item() == 9 and not torch.isfinite(s[0])
+    limit = 1.5 * float(x[torch.isfinite(x)].float().abs().max())
+    x[bad[:3]] = 2 * limit
+    s = _cpu(kernels.grad_stats(x.to(DEV), limit))
+    assert s[1].item() == int((~(x.float().abs() <= limit)).sum()) == 9
 
 
 @pytest.mark.parametrize("error_feedback", [True, False], ids=["ef", "no_ef"])

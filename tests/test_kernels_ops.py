@@ -246,6 +246,32 @@ def test_grad_stats(backend, dtype, n):
     assert not torch.isfinite(s[0])
 
 
+@pytest.mark.parametrize("dtype", [F32, BF16, F16], ids=["f32", "bf16", "f16"])
+@pytest.mark.parametrize("n", [pytest.param(256, id="n256"),
+                               pytest.param(5 * 4096 + 256, id="n20736-multi-tile")])
+def test_grad_stats_limit(backend, dtype, n):
+    """``limit`` also counts the finite entries past it, at either sign, and no entry within
+    it; the sum of squares is the same as without it."""
+    gen = seeded("stats-limit", dtype, n)
+    x = (torch.randn(n, generator=gen) * 3).to(dtype)
+    limit = 4.0 * float(x.float().abs().max())
+    plain = kernels.grad_stats(x)
+    s = kernels.grad_stats(x, limit)
+    assert s[1].item() == 0 and torch.equal(s[0], plain[0])
+    at = torch.randperm(n, generator=gen)[:9]
+    x[at[:3]] = 2 * limit
+    x[at[3:5]] = -3 * limit
+    x[at[5]] = limit  # at the limit: within it
+    x[at[6]] = float("nan")
+    x[at[7]] = float("inf")
+    x[at[8]] = -limit
+    assert float(x[at[:5]].float().abs().min()) > limit  # in the dtype, still past it
+    s = kernels.grad_stats(x, limit)
+    want = int((~(x.float().abs() <= limit)).sum())
+    assert want == 7 and s[1].item() == want
+    assert kernels.grad_stats(x)[1].item() == 2  # without it, the non-finite ones alone
+
+
 def test_grad_stats_is_deterministic(backend):
     x = torch.randn(9 * 4096, generator=seeded("stats-det"))
     a, b = kernels.grad_stats(x), kernels.grad_stats(x)

@@ -18,6 +18,8 @@ import torch.distributed as dist
 from dist import run_ranks
 from reliability_common import differing, make_model, make_opt, snapshot, train_step
 
+import scape.sharded
+
 KEEP = ("params", "master", ".m", "age", "mask_current", "mask_next")
 # (step, value, whose shard): steps 7, 9, 13 are sparse, 15 is a dense refresh (dense_every=5)
 BAD_STEPS = {7: ("nan", "own"), 9: ("nan", "other"), 11: ("inf", "own"),
@@ -129,3 +131,74 @@ def test_degenerate_statistics_give_identical_masks():
         assert sum(h != "dense" for h in hashes[0]) >= 6
         # explore > 0 rotates the tied coordinates by age: the mask does not stay put
         assert len(set(hashes[0]) - {"dense"}) > 1
+
+
+# (step, value written at every entry of BAD_RANK's first buffer, also on the other ranks):
+# steps 7 and 9 are sparse, 15 a dense refresh; 1e5 is past fp16's range, 2e4 within it but
+# past the fp16 wire's limit on 2 ranks (32752 / 2), so its sum of two is past the range
+WIDE_STEPS = {7: (1e5, False), 9: (2e4, True), 15: (1e5, False)}
+
+
+def _wire_overflow_body(rank, world):
+    model = make_model()
+    opt = make_opt(model, grad_comm_dtype=torch.float16)
+    b = opt.buckets[0]
+    limit = scape.sharded.wire_limit(torch.float16, world)
+    assert limit == 32752.0 / world
+    skipped = []
+    for t in range(1, 17):
+        before = snapshot(opt)
+        if t not in WIDE_STEPS:
+            train_step(model, opt, t, rank)
+        else:
+            value, everyone = WIDE_STEPS[t]
+            assert value > limit and value < float(torch.finfo(torch.float32).max)
+            x = torch.randn(32, 24, generator=torch.Generator().manual_seed(t))
+            model(x).square().mean().backward()
+            if rank == BAD_RANK or everyone:
+                values = b.grad_flat.clone()
+                values[: b.numel] = value  # finite: no NaN or Inf anywhere
+                b.write_grad_(values)
+            opt.step()
+            opt.zero_grad()
+        after = snapshot(opt)
+        assert all(bool(torch.isfinite(v).all()) for v in after.values()
+                   if v.dtype.is_floating_point), f"step {t}: a non-finite value was kept"
+        if opt.last_step.skipped:
+            skipped.append(t)
+            keys = [k for k in before if k.endswith(KEEP)]
+            bad = differing({k: before[k] for k in keys}, {k: after[k] for k in keys})
+            assert not bad, f"step {t} skipped but changed {bad}"
+    digest = torch.tensor(list(hashlib.sha256(b.param_flat.numpy().tobytes()).digest()),
+                          dtype=torch.uint8)
+    out = torch.empty(world * 32, dtype=torch.uint8)
+    dist.all_gather_into_tensor(out, digest)
+    assert bool((out.view(world, 32) == digest).all()), "ranks differ"
+    return skipped
+
+
+def test_fp16_wire_skips_a_step_whose_sum_it_cannot_carry():
+    """A finite gradient entry past what the float16 wire sums over the ranks
+    (:func:`scape.sharded.wire_limit`) skips the step on every rank, as a NaN does, on sparse
+    and dense steps; before, the wire's sum overflowed and wrote inf into every replica's
+    parameters, and every later step was skipped."""
+    assert run_ranks(_wire_overflow_body, 2, timeout=180) == [sorted(WIDE_STEPS)] * 2
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32],
+                         ids=["f16", "bf16", "f32"])
+def test_wire_limit_keeps_every_partial_sum_in_range(dtype):
+    """W entries at the limit (either sign), each rounded to the wire and added in the wire's
+    dtype, stay finite at every partial sum; W entries a little over twice it sum past the
+    range in exact arithmetic (the bound is within 2x of tight)."""
+    top = float(torch.finfo(dtype).max)
+    for world in (1, 2, 3, 8, 61, 1024):
+        limit = scape.sharded.wire_limit(dtype, world)
+        for sign in (1.0, -1.0):
+            x = torch.full((world,), sign * limit, dtype=torch.float64).to(dtype)
+            acc = torch.zeros((), dtype=dtype)
+            for v in x:
+                acc = acc + v
+                assert abs(float(acc)) <= top, (world, sign)
+        wide = torch.full((world,), 2.01 * limit, dtype=torch.float64).to(dtype)
+        assert float(wide.double().sum()) > top, world
