@@ -286,6 +286,8 @@ class SCAPE(ShardedOptimizer):
         """The residuals were cleared: let the rule forget what it kept of the buffer."""
         self.level.clear()
         self._undo_ahead()
+        for b, diag in zip(self.buckets, self.diagnostics):
+            diag["residual_norm"] = torch.zeros((), device=b.device)
         if self.rule is not None and self.rule.reset is not None:
             for s in self.shards:
                 self.rule.reset(s)
@@ -376,6 +378,7 @@ class SCAPE(ShardedOptimizer):
         adams_dense_(s.master, s.m, g, lr=hp["lr"], beta1=hp["beta1"], beta2=hp["beta2"],
                      eps=hp["eps"], weight_decay=hp["weight_decay"], model_out=model_out)
         s.age.zero_()
+        self.diagnostics[i]["residual_norm"] = torch.zeros((), device=g.device)  # all sent
 
     # ------------------------------------------------------------------ sparse path
     def _take(self, i: int) -> tuple[Communicator, torch.Tensor, int]:

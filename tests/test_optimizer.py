@@ -195,6 +195,10 @@ def _sparse_body(rank, world, names, steps):
             assert bool((allp == allp[0]).all()), f"{name} step {t}: ranks differ"
             sync = opt.last_sync[0]
             changed = (b.param_flat != before).nonzero().view(-1)
+            # the diagnostic is the norm of what the step left in this rank's buffer
+            left = float(b.grad_flat.double().norm())
+            told = float(opt.diagnostics[0].get("residual_norm", float("nan")))
+            assert abs(told - left) <= 1e-4 * left + 1e-30, (name, t, told, left)
             if info.dense:
                 assert sync["mask"] is None
                 g_full = torch.zeros(b.shard_size, dtype=torch.float64)

@@ -62,6 +62,7 @@ def _nonfinite_body(rank, world, update):
         bad = differing({k: before[k] for k in keys}, {k: after[k] for k in keys})
         assert not bad, f"step {t} ({kind} in {where} shard) changed {bad}"
         assert all(float(bk.grad_flat.abs().max()) == 0.0 for bk in opt.buckets)
+        assert all(float(d["residual_norm"]) == 0.0 for d in opt.diagnostics), t
         if noise:  # the skip cleared the residual, so the rule's copy of the buffer is zero
             assert float(noise["prev"].abs().max()) == 0.0, f"step {t}: prev not reset"
             assert all(bool(torch.isfinite(noise[k]).all()) for k in noise), t
