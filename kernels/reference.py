@@ -9,10 +9,13 @@ The indexed ops build those flat positions in int64 and use 1-D ``index_select``
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+"""The default ``limit`` of :func:`grad_stats`: every finite entry is within it."""
 _CHUNK = 1 << 18  # elements per cache-sized slice of the dense element-wise updates
 
 
@@ -258,8 +261,14 @@ def adamw_dense_(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, g: torch.Ten
             model_out[s:e].copy_(ps)
 
 
-def grad_stats(x: torch.Tensor, limit: float = float(torch.finfo(torch.float32).max)
-               ) -> torch.Tensor:
+@functools.lru_cache(maxsize=16)
+def _square_f32(limit: float) -> float:
+    """``limit**2`` as fp32 computes it (the limit rounded to fp32 first; inf past the range):
+    the sum of squares :func:`grad_stats` compares, once per limit rather than every call."""
+    return float(torch.tensor(limit, dtype=torch.float32).square())
+
+
+def grad_stats(x: torch.Tensor, limit: float = FLOAT32_MAX) -> torch.Tensor:
     """fp32 ``[sum of squares of all entries, number of entries not within limit]``: the
     non-finite entries and those with ``|x| > limit`` (by default the largest fp32, so the
     non-finite ones alone).
@@ -273,7 +282,7 @@ def grad_stats(x: torch.Tensor, limit: float = float(torch.finfo(torch.float32).
     xf = x if x.dtype == torch.float32 else x.float()
     sumsq = torch.dot(xf, xf)
     total = float(sumsq) if x.device.type == "cpu" else math.inf
-    if total < float(torch.tensor(limit, dtype=torch.float32).square()):
+    if total < _square_f32(limit):
         count = torch.zeros((), dtype=torch.float32)
     else:
         count = (~(xf.abs() <= limit)).sum(dtype=torch.float32)

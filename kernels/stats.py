@@ -32,6 +32,7 @@ from ._checks import (
     use_triton,
 )
 from ._triton import tl, triton
+from .reference import FLOAT32_MAX
 
 
 @triton.jit
@@ -57,8 +58,6 @@ def _grad_stats_finish_kernel(p_sumsq, p_count, p_out, n_parts, PART_TILE: tl.co
     tl.store(p_out + 1, tl.sum(cnt, axis=0).to(tl.float32))
 
 
-FLOAT32_MAX = float(torch.finfo(torch.float32).max)
-"""The default ``limit`` of :func:`grad_stats`: every finite entry is within it."""
 STATS_TILE = 4096
 STATS_WARPS = 8
 PART_TILE = 1024
